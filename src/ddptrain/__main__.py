@@ -1,0 +1,3 @@
+from ddptrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,316 @@
+"""The one TrainConfig: defaults, validation, command-line flags and TOML, all derived from one dataclass.
+
+Precedence: command line > ``--config FILE.toml`` > dataclass defaults. Validation runs once, at the edge
+(`resolve_config`), and every failure is a `UsageError` whose one line names the flag and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import importlib
+import os
+import sys
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+from ddptrain.errors import UsageError
+
+
+def opt(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
+        group: str = "training") -> Any:
+    """A config field: its default plus what the flag generator and validator need to know."""
+    return field(default=default, metadata={"help": help, "choices": choices, "min": min, "group": group})
+
+
+@dataclass
+class TrainConfig:
+    # --- model and data -------------------------------------------------------------------------
+    model: str = opt("mini_resnet", "model: built-in name (mini_resnet, mlp) or plug-in 'pkg.mod:fn' with "
+                     "fn(cfg) -> nn.Module", group="model and data")
+    dataset: str = opt("synthetic", "dataset: built-in name (synthetic, cifar10, cifar100, imagefolder, "
+                       "digits) or plug-in 'pkg.mod:fn' with fn(cfg) -> (train_ds, eval_ds | None)",
+                       group="model and data")
+    data_dir: str = opt("", "directory of a file-based dataset (cifar10, cifar100, imagefolder)",
+                        group="model and data")
+    num_classes: int = opt(10, "number of classes", min=2, group="model and data")
+    in_channels: int = opt(3, "image channels", min=1, group="model and data")
+    image_size: int = opt(32, "image height and width in pixels", min=4, group="model and data")
+    dataset_size: int = opt(10000, "training samples of the synthetic dataset", min=1, group="model and data")
+    eval_size: int = opt(1000, "eval samples of the synthetic dataset (0 = no eval split)", min=0,
+                         group="model and data")
+    width: int = opt(64, "MiniResNet base width; stages use width, 2*width, 4*width channels", min=1,
+                     group="model and data")
+    norm: str = opt("batch", "MiniResNet normalisation layer", choices=("batch", "group", "none"),
+                    group="model and data")
+    sync_batchnorm: bool = opt(False, "convert BatchNorm to SyncBatchNorm (CUDA only)", group="model and data")
+    num_workers: int = opt(2, "data loader worker processes per rank (0 = load in the training process)",
+                           min=0, group="model and data")
+
+    # --- batch and schedule ---------------------------------------------------------------------
+    batch_size: int = opt(32, "micro-batch size per process; global batch = batch_size * world size * "
+                          "grad_accum_steps", min=1)
+    grad_accum_steps: int = opt(1, "micro-batches per optimizer step (gradients all-reduced on the last only)",
+                                min=1)
+    epochs: int = opt(10, "passes over the training data", min=1)
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)", min=0)
+    optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adamw"))
+    lr: float = opt(0.1, "peak learning rate", min=0.0)
+    momentum: float = opt(0.9, "SGD momentum (AdamW: beta1)", min=0.0)
+    weight_decay: float = opt(5e-4, "weight decay", min=0.0)
+    lr_schedule: str = opt("constant", "learning-rate schedule after warmup", choices=("constant", "cosine"))
+    warmup_steps: int = opt(0, "linear warmup from 0 to lr over this many optimizer steps", min=0)
+    min_lr: float = opt(0.0, "final learning rate of the cosine schedule", min=0.0)
+    scale_lr: bool = opt(False, "linear scaling rule: lr *= global_batch_size / base_batch_size")
+    base_batch_size: int = opt(256, "global batch size that --lr was tuned for (used by --scale_lr)", min=1)
+    grad_clip: float = opt(0.0, "clip the global gradient norm to this value (0 = no clipping)", min=0.0)
+    use_amp: bool = opt(False, "automatic mixed precision (autocast; bf16 on CPU)")
+    amp_dtype: str = opt("bf16", "autocast dtype; fp16 adds a GradScaler and needs CUDA", choices=("bf16", "fp16"))
+    on_nonfinite: str = opt("skip", "when the global gradient norm is NaN/inf: skip the update, or stop",
+                            choices=("skip", "stop"))
+    seed: int = opt(42, "seed for model init, data order and augmentation", min=0)
+
+    # --- distributed ----------------------------------------------------------------------------
+    backend: str = opt("auto", "process-group backend: auto = nccl with CUDA, gloo without",
+                       choices=("auto", "nccl", "gloo"), group="distributed")
+    nproc: int = opt(0, "local launcher: start this many worker processes through torch's elastic agent "
+                     "(0 = run in this process)", min=0, group="distributed")
+    max_restarts: int = opt(0, "local launcher: restart all workers this many times after a failure; "
+                            "they resume from the newest checkpoint", min=0, group="distributed")
+    init_timeout_s: float = opt(900.0, "timeout of rendezvous and collectives until the first step ends",
+                                min=1.0, group="distributed")
+    collective_timeout_s: float = opt(300.0, "timeout of each collective after the first step", min=1.0,
+                                      group="distributed")
+    hang_timeout_s: float = opt(600.0, "watchdog: a rank with no progress for this long dumps its stacks and "
+                                "fails the job (0 = off)", min=0.0, group="distributed")
+    bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB", min=0.0, group="distributed")
+    static_graph: bool = opt(False, "tell DDP the graph is the same every step", group="distributed")
+    gradient_as_bucket_view: bool = opt(True, "gradients alias DDP's buckets (saves a copy and memory)",
+                                        group="distributed")
+
+    # --- run dir and checkpoints ----------------------------------------------------------------
+    run_dir: str = opt("", "run directory (default runs/<config file stem>, or runs/default); keep it the "
+                       "same across restarts so resume finds it", group="checkpoints")
+    checkpoint_dir: str = opt("", "checkpoint directory (default RUN_DIR/checkpoints)", group="checkpoints")
+    save_every: int = opt(1, "save a checkpoint every N epochs (0 = not by epoch)", min=0, group="checkpoints")
+    save_every_steps: int = opt(0, "save a checkpoint every N optimizer steps (0 = off)", min=0,
+                                group="checkpoints")
+    save_every_minutes: float = opt(0.0, "save a checkpoint every N minutes of wall time (0 = off)", min=0.0,
+                                    group="checkpoints")
+    keep_last: int = opt(3, "keep this many committed checkpoints (0 = keep all)", min=0, group="checkpoints")
+    resume_from: str = opt("", "checkpoint dir to resume from (default: newest committed one in "
+                           "checkpoint_dir, if any)", group="checkpoints")
+    auto_resume: bool = opt(True, "resume from the newest committed checkpoint in checkpoint_dir",
+                            group="checkpoints")
+    async_checkpoint: bool = opt(False, "write checkpoints in a background thread", group="checkpoints")
+
+    # --- observability --------------------------------------------------------------------------
+    log_interval: int = opt(10, "log train metrics every N optimizer steps", min=1, group="observability")
+    enable_profiling: bool = opt(False, "record a torch.profiler window and write a trace per rank to "
+                                 "RUN_DIR/traces/", group="observability")
+    profile_wait: int = opt(5, "profiler: steps to skip before warming up", min=0, group="observability")
+    profile_warmup: int = opt(2, "profiler: warmup steps (recorded, discarded)", min=0, group="observability")
+    profile_active: int = opt(3, "profiler: steps recorded into the trace", min=1, group="observability")
+    tensorboard: bool = opt(False, "write TensorBoard events to RUN_DIR/tb/ (needs the tensorboard package)",
+                            group="observability")
+    progress: bool = opt(True, "progress bar on rank 0 (only when stderr is a terminal)", group="observability")
+    peak_tflops: float = opt(0.0, "per-device peak TFLOP/s for MFU (0 = known GPU table, else no MFU)",
+                             min=0.0, group="observability")
+    straggler_skew: float = opt(1.5, "name a rank as straggler when its step time exceeds the median by this "
+                                "factor at 3 log steps in a row", min=1.0, group="observability")
+    record_sample_ids: bool = opt(False, "write the sample ids of every step to RUN_DIR/samples/rank-R.jsonl",
+                                  group="observability")
+    inject_fault: str = opt("", "fault injection for tests and chaos runs, e.g. 'rank=1,step=5,kind=sigkill' "
+                            "(see README; also DDPTRAIN_FAULT)", group="observability")
+
+    # --- performance ----------------------------------------------------------------------------
+    channels_last: bool = opt(False, "channels_last memory format for model and inputs", group="performance")
+    compile: bool = opt(False, "torch.compile the model", group="performance")
+
+    # ----------------------------------------------------------------------------------------------
+    @property
+    def checkpoint_path(self) -> Path:
+        return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.run_dir) / "checkpoints"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Check every field and the combinations; raise UsageError naming the flag and the fix."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            meta = f.metadata
+            if meta["choices"] and value not in meta["choices"]:
+                raise UsageError(f"--{f.name}: {value!r} is not one of {', '.join(meta['choices'])}")
+            if meta["min"] is not None and value < meta["min"]:
+                raise UsageError(f"--{f.name} must be >= {meta['min']:g} (got {value})")
+        if self.amp_dtype == "fp16" and self.use_amp and not _cuda_available():
+            raise UsageError("--amp_dtype fp16 needs CUDA; use --amp_dtype bf16 for mixed precision on CPU")
+        if self.backend == "nccl" and not _cuda_available():
+            raise UsageError("--backend nccl needs CUDA devices; use --backend gloo (or auto) on CPU")
+        if self.sync_batchnorm and (self.backend == "gloo" or not _cuda_available()):
+            raise UsageError("--sync_batchnorm needs CUDA (torch's SyncBatchNorm runs on CUDA only); "
+                             "drop the flag for CPU runs")
+        if self.dataset in FILE_DATASETS and not self.data_dir:
+            raise UsageError(f"--dataset {self.dataset} reads files: pass --data_dir DIR")
+        if self.resume_from and not Path(self.resume_from).is_dir():
+            raise UsageError(f"--resume_from {self.resume_from}: no such directory; pass a checkpoints/step-N dir")
+        if self.enable_profiling and self.profile_active < 1:
+            raise UsageError("--profile_active must be >= 1")
+        _check_inject_fault(self.inject_fault)
+        for flag in ("model", "dataset"):
+            name = getattr(self, flag)
+            if ":" in name:
+                load_plugin(name, f"--{flag}")
+            elif name not in (BUILTIN_MODELS if flag == "model" else BUILTIN_DATASETS):
+                known = ", ".join(BUILTIN_MODELS if flag == "model" else BUILTIN_DATASETS)
+                raise UsageError(f"--{flag} {name!r}: not a built-in ({known}) nor a 'pkg.mod:fn' plug-in")
+
+
+BUILTIN_MODELS = ("mini_resnet", "mlp")
+FILE_DATASETS = ("cifar10", "cifar100", "imagefolder")
+BUILTIN_DATASETS = ("synthetic", "digits") + FILE_DATASETS
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_inject_fault(spec: str) -> None:
+    if spec:
+        from ddptrain.faults import FaultSpec
+
+        FaultSpec.parse(spec, source="--inject_fault")
+
+
+def load_plugin(ref: str, flag: str) -> Callable:
+    """Import 'pkg.mod:fn' and return fn; any failure is a UsageError naming the flag."""
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise UsageError(f"{flag} {ref!r}: write a plug-in as 'package.module:function'")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `python -m` adds the cwd; the console script does not
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # an import error of any kind inside the user's module
+        raise UsageError(f"{flag} {ref!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc}); "
+                         "check the module is on PYTHONPATH") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UsageError(f"{flag} {ref!r}: module {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+# --- TOML ----------------------------------------------------------------------------------------
+
+_FIELD_TYPES = {f.name: f.type for f in fields(TrainConfig)}
+_PY_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    want = _PY_TYPES[_FIELD_TYPES[name]]
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        raise UsageError(f"{source}: {name} = {value!r} should be {want.__name__}")
+    return value
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a config file; unknown keys and malformed TOML are UsageErrors naming the file and key."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--config {path}: no such file; pass the path of a TOML config (see configs/)")
+    try:
+        with p.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"--config {path}: malformed TOML ({exc})") from None
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in _FIELD_TYPES:
+            hint = difflib.get_close_matches(key, _FIELD_TYPES, n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else "see `ddptrain train --help` for the keys"
+            raise UsageError(f"--config {path}: unknown key {key!r}; {fix}")
+        out[key] = _coerce(key, value, f"--config {path}")
+    return out
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The resolved config as TOML that `--config` reads back unchanged."""
+    lines = ["# Resolved ddptrain config (defaults < --config file < command line)."]
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, str):
+            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        else:
+            text = repr(value)
+        lines.append(f"{f.name} = {text}")
+    return "\n".join(lines) + "\n"
+
+
+# --- command line --------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but every complaint is a one-line UsageError instead of usage + exit."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):
+            flag = message.split(":", 1)[1].split()[0]
+            known = [a for action in self._actions for a in action.option_strings]
+            hint = difflib.get_close_matches(flag.split("=")[0], known, n=1)
+            fix = f"did you mean {hint[0]}?" if hint else f"see `{self.prog} --help`"
+            raise UsageError(f"unknown flag {flag}; {fix}")
+        raise UsageError(f"{message}; see `{self.prog} --help`")
+
+
+def _typed(name: str, kind: type) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--{name} expects {kind.__name__}, got {text!r}") from None
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def build_parser(prog: str = "ddptrain train") -> argparse.ArgumentParser:
+    """One flag per TrainConfig field (bool -> --x/--no-x), plus --config."""
+    parser = _Parser(prog=prog, allow_abbrev=False, argument_default=argparse.SUPPRESS,
+                     description="Train on 1..N processes. Flags override --config, which overrides defaults.")
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys (flag names)")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in fields(TrainConfig):
+        meta = f.metadata
+        grp = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        help_text = f"{meta['help']} (default: {f.default!r})"
+        kind = _PY_TYPES[f.type]
+        if kind is bool:
+            grp.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            grp.add_argument(f"--{f.name}", type=_typed(f.name, kind), metavar=kind.__name__.upper(),
+                             help=help_text)
+    return parser
+
+
+def resolve_config(argv: list[str], *, validate: bool = True) -> TrainConfig:
+    """Defaults < TOML file < flags, then validation. The only way a TrainConfig is made from user input."""
+    args = vars(build_parser().parse_args(argv))
+    config_file = args.pop("config", None)
+    values = load_toml(config_file) if config_file else {}
+    values.update(args)
+    cfg = TrainConfig(**values)
+    if not cfg.run_dir:
+        stem = Path(config_file).stem if config_file else "default"
+        cfg.run_dir = str(Path("runs") / stem)
+    if validate:
+        cfg.validate()
+    return cfg

@@ -1,0 +1,225 @@
+"""Datasets, the resumable global-order sampler, and the loaders built on them.
+
+The data position of a run is one number: how many samples of the current epoch's global order the
+optimizer has consumed (the *cursor*). The epoch's order is a permutation drawn from (seed, epoch); each
+optimizer step takes the next `global_batch_size` samples of it and splits them across ranks and
+micro-steps in a fixed way. So a resumed run — on the same or a different number of processes — sees
+exactly the samples the uninterrupted run would have seen. Random augmentation is seeded per
+(seed, epoch, sample), so it does not depend on which rank or loader worker reads a sample either.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from ddptrain.config import TrainConfig, load_plugin
+from ddptrain.errors import UsageError
+
+EVAL_EPOCH = -1  # the epoch key of eval samples: no augmentation stream is tied to it
+
+
+def mix_seed(*parts: int) -> int:
+    """A well-spread 63-bit seed from integers (splitmix64 over the parts)."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 29
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+# --- the built-in synthetic dataset --------------------------------------------------------------
+
+class SyntheticImages(Dataset):
+    """Learnable synthetic images in constant memory: sample i is generated from a seed of (seed, i).
+
+    Each image is Gaussian noise plus one of `num_classes` smooth prototype patterns; its label is the
+    prototype it correlates with most — a deterministic function of the image, so accuracy can rise.
+    """
+
+    def __init__(self, size: int, num_classes: int, channels: int, image_size: int, seed: int, offset: int = 0):
+        self.size, self.num_classes, self.offset, self.seed = size, num_classes, offset, seed
+        self.shape = (channels, image_size, image_size)
+        gen = torch.Generator().manual_seed(mix_seed(seed, 0x5EED))
+        coarse = torch.randn(num_classes, channels, 4, 4, generator=gen)
+        protos = F.interpolate(coarse, size=(image_size, image_size), mode="bilinear", align_corners=False)
+        self.prototypes = protos / protos.flatten(1).norm(dim=1).view(-1, 1, 1, 1)
+        # Signal strength relative to the noise's projection (std 1 per prototype direction).
+        self.signal = 3.0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= index < self.size:
+            raise IndexError(index)
+        gen = torch.Generator().manual_seed(mix_seed(self.seed, self.offset + index))
+        hinted = int(torch.randint(self.num_classes, (1,), generator=gen))
+        image = torch.randn(self.shape, generator=gen) + self.signal * self.prototypes[hinted]
+        label = int(torch.einsum("chw,kchw->k", image, self.prototypes).argmax())
+        return image, label
+
+
+# --- per-sample seeding --------------------------------------------------------------------------
+
+class SeededSamples(Dataset):
+    """Wraps a map-style dataset; item keys are (epoch, index); returns (index, input, target).
+
+    Before reading a sample, the global RNGs (torch CPU, numpy, random) are seeded from
+    (seed, epoch, index), so random augmentation in any dataset — plug-ins included — is a function of
+    the sample, not of the worker or rank that reads it. In the training process itself (no loader
+    workers) the RNG states are restored afterwards, so dropout's stream is untouched.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> tuple[int, Any, Any]:
+        epoch, index = key
+        sample_seed = mix_seed(self.seed, epoch, index)
+        if get_worker_info() is not None:
+            _seed_global_rngs(sample_seed)
+            item = self.dataset[index]
+        else:
+            saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+            _seed_global_rngs(sample_seed)
+            try:
+                item = self.dataset[index]
+            finally:
+                torch.set_rng_state(saved[0])
+                np.random.set_state(saved[1])
+                random.setstate(saved[2])
+        inputs, target = item
+        return index, inputs, target
+
+
+def _seed_global_rngs(seed: int) -> None:
+    torch.default_generator.manual_seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    random.seed(seed)
+
+
+# --- samplers ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one optimizer step's global batch is split: micro-step m, rank r takes chunk m * world + r."""
+
+    micro_batch_size: int
+    world_size: int
+    grad_accum_steps: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.world_size * self.grad_accum_steps
+
+    def steps_per_epoch(self, num_samples: int, cursor: int = 0) -> int:
+        """Whole global batches left in an epoch from `cursor`; the remainder is dropped (drop_last)."""
+        return max(0, (num_samples - cursor) // self.global_batch_size)
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The epoch's global order: the same permutation on every rank, at every world size."""
+    gen = torch.Generator().manual_seed(mix_seed(seed, epoch, 0x0DE5))
+    return torch.randperm(num_samples, generator=gen)
+
+
+class GlobalOrderSampler:
+    """Batch sampler: this rank's micro-batches of one epoch, from a global sample cursor onwards.
+
+    Yields lists of (epoch, index) keys for `SeededSamples`. `set_position` before each `iter()`.
+    """
+
+    def __init__(self, num_samples: int, layout: BatchLayout, rank: int, seed: int):
+        self.num_samples, self.layout, self.rank, self.seed = num_samples, layout, rank, seed
+        self.epoch, self.cursor = 0, 0
+
+    def set_position(self, epoch: int, cursor: int) -> None:
+        self.epoch, self.cursor = epoch, cursor
+
+    def __len__(self) -> int:
+        return self.layout.steps_per_epoch(self.num_samples, self.cursor) * self.layout.grad_accum_steps
+
+    def micro_batches(self, epoch: int, cursor: int) -> Iterator[list[int]]:
+        """This rank's sample indices for each micro-step from `cursor` to the end of `epoch`."""
+        order = epoch_order(self.num_samples, self.seed, epoch).tolist()
+        b, w, a = self.layout.micro_batch_size, self.layout.world_size, self.layout.grad_accum_steps
+        for step in range(self.layout.steps_per_epoch(self.num_samples, cursor)):
+            start = cursor + step * self.layout.global_batch_size
+            for micro in range(a):
+                chunk = start + (micro * w + self.rank) * b
+                yield order[chunk:chunk + b]
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = self.epoch
+        for indices in self.micro_batches(epoch, self.cursor):
+            yield [(epoch, i) for i in indices]
+
+
+class ShardedEvalSampler:
+    """Rank r reads samples r, r + world, r + 2*world, ...: every sample exactly once, no padding."""
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int):
+        self.indices = list(range(rank, num_samples, world_size))
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.indices) // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        for start in range(0, len(self.indices), self.batch_size):
+            yield [(EVAL_EPOCH, i) for i in self.indices[start:start + self.batch_size]]
+
+
+# --- building datasets and loaders ---------------------------------------------------------------
+
+def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
+    """(train, eval or None) for `--dataset`: a built-in name or a 'pkg.mod:fn' plug-in."""
+    if ":" in cfg.dataset:
+        result = load_plugin(cfg.dataset, "--dataset")(cfg)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise UsageError(f"--dataset {cfg.dataset}: the function must return (train_dataset, eval_dataset "
+                             "or None)")
+        return result
+    if cfg.dataset == "synthetic":
+        shape = dict(num_classes=cfg.num_classes, channels=cfg.in_channels, image_size=cfg.image_size,
+                     seed=cfg.seed)
+        train = SyntheticImages(cfg.dataset_size, **shape)
+        held_out = SyntheticImages(cfg.eval_size, offset=cfg.dataset_size, **shape) if cfg.eval_size else None
+        return train, held_out
+    from ddptrain import formats  # file formats: imported only when asked for
+
+    return formats.build(cfg)
+
+
+def _worker_init(worker_id: int) -> None:
+    # Workers get distinct torch seeds from the loader; numpy and random must follow them explicitly.
+    seed = torch.initial_seed()
+    np.random.seed(seed & 0xFFFFFFFF)
+    random.seed(seed)
+
+
+def make_loader(dataset: Dataset, batch_sampler: Any, cfg: TrainConfig, device: torch.device,
+                seed: int) -> DataLoader:
+    """A DataLoader over `SeededSamples` keys; yields (indices, inputs, targets) batches."""
+    workers = cfg.num_workers
+    return DataLoader(
+        SeededSamples(dataset, cfg.seed),
+        batch_sampler=batch_sampler,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=workers > 0,  # no re-fork of workers (and re-import of the dataset) per epoch
+        prefetch_factor=4 if workers > 0 else None,
+        worker_init_fn=_worker_init if workers > 0 else None,
+        generator=torch.Generator().manual_seed(seed),  # never draws from the global RNG
+    )

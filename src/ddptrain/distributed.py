@@ -1,0 +1,200 @@
+"""Process-group lifecycle: read the launcher's environment, pick backend and device, init, tear down.
+
+Every process — one per device — builds one `DistributedContext`. A plain `python -m ddptrain train`
+without a launcher is world size 1 with a private in-memory store, so the training code has one path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ddptrain.errors import UsageError
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class LaunchEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    launched: bool  # False: a bare `python -m ddptrain train` (world 1, no rendezvous)
+
+
+def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
+    """The worker's place in the job, from torchrun's variables (or SLURM's when srun starts workers).
+
+    A half-set environment is a UsageError naming what is missing.
+    """
+    env = os.environ if environ is None else environ
+    present = [v for v in TORCHRUN_VARS if v in env]
+    if present and len(present) < len(TORCHRUN_VARS):
+        missing = [v for v in TORCHRUN_VARS if v not in env]
+        raise UsageError(f"launcher environment is half-set: {', '.join(present)} set but {', '.join(missing)} "
+                         "missing; start workers with torchrun / scripts/launch.sh, or unset them")
+    if not present and int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        # srun started one task per device directly (no torchrun): map SLURM's variables.
+        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+            raise UsageError("srun started several tasks but MASTER_ADDR/MASTER_PORT are unset; "
+                             "export them (scripts/slurm.sbatch does) or launch through torchrun")
+        return LaunchEnv(rank=int(env["SLURM_PROCID"]), local_rank=int(env.get("SLURM_LOCALID", "0")),
+                         world_size=int(env["SLURM_NTASKS"]),
+                         local_world_size=int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]),
+                         launched=True)
+    if not present:
+        return LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launched=False)
+    try:
+        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+    except ValueError:
+        raise UsageError("RANK, WORLD_SIZE and LOCAL_RANK must be integers") from None
+    if not 0 <= rank < world:
+        raise UsageError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return LaunchEnv(rank=rank, local_rank=local, world_size=world,
+                     local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")), launched=True)
+
+
+def resolve_backend(requested: str) -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return requested
+
+
+@dataclass
+class DistributedContext:
+    """Where this process sits in the job. Built by `distributed()`; read everywhere else."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+    host: str
+    control_group: dist.ProcessGroup | None = None  # gloo: small CPU messages (flags, timings)
+    hosts: list[str] = field(default_factory=list)  # host of each rank, gathered once
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def where(self) -> str:
+        return f"rank {self.rank} on host {self.host}"
+
+    def barrier(self) -> None:
+        """Must be called on all ranks."""
+        dist.barrier(group=self.control_group)
+
+    def all_true(self, flag: bool) -> bool:
+        """True iff `flag` is true on every rank. Must be called on all ranks."""
+        return bool(self.reduce_flags([0 if flag else 1])[0] == 0)
+
+    def reduce_flags(self, values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> list[float]:
+        """Elementwise `op` of a few numbers over all ranks on the CPU control group.
+
+        Must be called on all ranks. No device sync: the control group is gloo on CPU tensors.
+        """
+        tensor = torch.tensor(values, dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=op, group=self.control_group)
+        return tensor.tolist()
+
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values`, indexed by rank. Must be called on all ranks."""
+        mine = torch.tensor(values, dtype=torch.float64)
+        if self.world_size == 1:
+            return [mine.tolist()]
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.control_group)
+        return [t.tolist() for t in out]
+
+    def broadcast_object(self, obj: object, src: int = 0) -> object:
+        """Rank `src`'s `obj` on every rank (pickled between our own processes only). All ranks."""
+        box = [obj]
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=src, group=self.control_group)
+        return box[0]
+
+    def set_collective_timeout(self, seconds: float) -> None:
+        """Switch every group's collective timeout (tier two, after the first step). All ranks."""
+        timeout = datetime.timedelta(seconds=seconds)
+        for group in {dist.group.WORLD, self.control_group}:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def _pick_device(backend: str, local_rank: int) -> torch.device:
+    if torch.cuda.is_available() and backend == "nccl":
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} CUDA devices are "
+                             "visible; start at most that many processes per node")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _enable_nccl_diagnostics(run_dir: Path) -> None:
+    """Async error handling and the flight recorder, dumping into the run dir (user settings win)."""
+    fr_dir = run_dir / "flight_recorder"
+    fr_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(fr_dir / "rank-"))
+
+
+@contextlib.contextmanager
+def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[DistributedContext]:
+    """Initialise the process group for this worker and destroy it on every exit path.
+
+    Must be entered on all ranks.
+    """
+    env = read_launch_env()
+    backend = resolve_backend(backend)
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UsageError("--backend nccl needs CUDA devices; use --backend gloo (or auto) on CPU")
+    device = _pick_device(backend, env.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if backend == "nccl":
+        _enable_nccl_diagnostics(run_dir)
+    timeout = datetime.timedelta(seconds=init_timeout_s)
+    kwargs: dict = {"backend": backend, "timeout": timeout}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    if not env.launched:
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(**kwargs)
+    failed = False
+    try:
+        control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+        ctx = DistributedContext(rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
+                                 local_world_size=env.local_world_size, backend=backend, device=device,
+                                 host=socket.gethostname(), control_group=control)
+        hosts: list[str] = [""] * env.world_size
+        dist.all_gather_object(hosts, ctx.host, group=control)
+        ctx.hosts = hosts
+        yield ctx
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        _teardown(failed)
+
+
+def _teardown(failed: bool) -> None:
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if failed and abort is not None and dist.get_backend() == "nccl":
+        abort()  # pending NCCL work after a failure would make destroy wait on it
+    else:
+        dist.destroy_process_group()

@@ -1,0 +1,29 @@
+"""Exceptions that map onto the documented exit codes.
+
+0 success · 1 training failure · 2 usage/config error · 75 preempted (checkpoint committed, requeue me).
+"""
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: "try again later" — what a scheduler requeue wants.
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line on stderr, exit 2, no traceback.
+
+    The message names the flag, file or variable at fault and how to fix it.
+    """
+
+
+class TrainingError(RuntimeError):
+    """A failure during training that every rank agrees on (same message on each rank)."""
+
+
+class Preempted(Exception):
+    """Raised at a step boundary after the preemption checkpoint has committed on all ranks."""
+
+    def __init__(self, step: int, signal_name: str):
+        super().__init__(f"preempted by {signal_name}: checkpoint at step {step} committed")
+        self.step = step
+        self.signal_name = signal_name

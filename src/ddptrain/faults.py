@@ -1,0 +1,120 @@
+"""Fault injection, used by the test suite and usable for chaos runs.
+
+A spec is ``key=value`` pairs separated by commas, from ``--inject_fault`` or ``DDPTRAIN_FAULT``::
+
+    rank=1,step=5,kind=sigkill            # rank 1 kills itself in step 5, before its first micro-batch
+    rank=0,step=3,micro=1,kind=raise      # in step 3, before micro-batch 1 (the second) is read
+    rank=1,step=4,kind=hang               # sleeps in step 4 while the others wait in its collectives
+    rank=0,step=2,kind=nan                # this rank's loss becomes NaN in step 2
+    rank=0,step=6,kind=sigkill,at=save    # dies while writing the checkpoint of step 6
+    rank=0,step=6,kind=corrupt-checkpoint # flips a byte in the checkpoint of step 6 after it commits
+
+Steps are numbered like `metrics.jsonl` and `checkpoints/step-N`: step N is the N-th optimizer step.
+
+``restart=N`` (default 0) arms the fault only in the N-th incarnation under an elastic launcher
+(TORCHELASTIC_RESTART_COUNT), so a restarted job does not fail again at the same place.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddptrain.errors import UsageError
+
+KINDS = ("raise", "sigkill", "exit", "hang", "nan", "corrupt-checkpoint")
+PLACES = ("step", "save")
+ENV_VAR = "DDPTRAIN_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    """The exception raised by kind=raise."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    rank: int
+    step: int
+    kind: str
+    micro: int = 0
+    at: str = "step"
+    restart: int = 0
+
+    @classmethod
+    def parse(cls, spec: str, source: str) -> FaultSpec:
+        fields: dict[str, str] = {}
+        for part in spec.split(","):
+            key, sep, value = part.strip().partition("=")
+            if not sep:
+                raise UsageError(f"{source}: {part!r} is not key=value (e.g. 'rank=1,step=5,kind=sigkill')")
+            fields[key] = value
+        unknown = set(fields) - {"rank", "step", "kind", "micro", "at", "restart"}
+        if unknown:
+            raise UsageError(f"{source}: unknown key(s) {', '.join(sorted(unknown))}; "
+                             "use rank, step, kind, micro, at, restart")
+        if "kind" not in fields or fields["kind"] not in KINDS:
+            raise UsageError(f"{source}: kind must be one of {', '.join(KINDS)}")
+        if fields.get("at", "step") not in PLACES:
+            raise UsageError(f"{source}: at must be one of {', '.join(PLACES)}")
+        try:
+            ints = {k: int(fields[k]) for k in ("rank", "step", "micro", "restart") if k in fields}
+        except ValueError:
+            raise UsageError(f"{source}: rank, step, micro and restart are integers") from None
+        if "rank" not in ints or "step" not in ints:
+            raise UsageError(f"{source}: rank= and step= are required")
+        return cls(kind=fields["kind"], at=fields.get("at", "step"), **ints)
+
+
+class FaultInjector:
+    """Checks placed at fixed points of the training loop; all are no-ops when no fault is armed."""
+
+    def __init__(self, spec_text: str, rank: int):
+        spec_text = spec_text or os.environ.get(ENV_VAR, "")
+        spec = FaultSpec.parse(spec_text, source=ENV_VAR) if spec_text else None
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.spec = spec if spec and spec.rank == rank and spec.restart == restart else None
+
+    def _due(self, step: int, at: str, micro: int = 0) -> bool:
+        s = self.spec
+        return s is not None and s.step == step and s.at == at and s.micro == micro
+
+    def at_micro_step(self, step: int, micro: int) -> None:
+        """Called before each micro-batch is read; `step` is the number of the step in progress."""
+        if self._due(step, "step", micro) and self.spec.kind not in ("nan", "corrupt-checkpoint"):
+            self._fire(f"step {step} micro-batch {micro}")
+
+    def poison_loss(self, step: int) -> bool:
+        """True when this rank's loss should become NaN in this step."""
+        return self.spec is not None and self.spec.kind == "nan" and self.spec.step == step
+
+    def during_save(self, step: int) -> None:
+        """Called after a checkpoint's data files are written and before its manifest commits."""
+        if self._due(step, "save") and self.spec.kind != "corrupt-checkpoint":
+            self._fire(f"checkpoint write of step {step}")
+
+    def after_commit(self, step: int, ckpt_dir: Path) -> None:
+        """kind=corrupt-checkpoint: flip one byte in the middle of the committed model file."""
+        if self.spec is not None and self.spec.kind == "corrupt-checkpoint" and self.spec.step == step:
+            target = ckpt_dir / "model.safetensors"
+            with open(target, "r+b") as fh:
+                fh.seek(target.stat().st_size // 2)
+                byte = fh.read(1)
+                fh.seek(-1, os.SEEK_CUR)
+                fh.write(bytes([byte[0] ^ 0xFF]))
+
+    def _fire(self, where: str) -> None:
+        kind = self.spec.kind
+        self.spec = None  # fire once per process
+        message = f"injected fault kind={kind} at {where}"
+        if kind == "raise":
+            raise InjectedFault(message)
+        if kind == "exit":
+            os._exit(13)
+        if kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "hang":
+            while True:
+                time.sleep(3600)

@@ -1,0 +1,85 @@
+"""Built-in models and the factory that also accepts 'pkg.mod:fn' plug-ins."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddptrain.config import TrainConfig, load_plugin
+from ddptrain.errors import UsageError
+
+
+def _norm(kind: str, channels: int) -> nn.Module:
+    if kind == "batch":
+        return nn.BatchNorm2d(channels)
+    if kind == "group":
+        return nn.GroupNorm(min(32, channels // 4) or 1, channels)
+    return nn.Identity()
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convs with a residual connection; a 1x1 projection when shape changes."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, norm: str):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=norm == "none")
+        self.norm1 = _norm(norm, c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=norm == "none")
+        self.norm2 = _norm(norm, c_out)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=norm == "none"),
+                                          _norm(norm, c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.norm1(self.conv1(x)))
+        out = self.norm2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+class MiniResNet(nn.Module):
+    """The seed article's model: a 3x3 stem, 3 stages x 2 residual blocks (64/128/256), pool, linear."""
+
+    def __init__(self, in_channels: int = 3, num_classes: int = 10, width: int = 64, norm: str = "batch"):
+        super().__init__()
+        widths = (width, 2 * width, 4 * width)
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, padding=1, bias=norm == "none"),
+                                  _norm(norm, width), nn.ReLU(inplace=True))
+        layers, c_in = [], width
+        for stage, c_out in enumerate(widths):
+            for block in range(2):
+                layers.append(BasicBlock(c_in, c_out, stride=2 if stage > 0 and block == 0 else 1, norm=norm))
+                c_in = c_out
+        self.stages = nn.Sequential(*layers)
+        self.head = nn.Linear(widths[-1], num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stages(self.stem(x))
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+class MLP(nn.Module):
+    """A small BatchNorm-free classifier: flatten, one hidden layer. Fast, and exact across world sizes."""
+
+    def __init__(self, in_features: int, num_classes: int, hidden: int = 64):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def build_model(cfg: TrainConfig) -> nn.Module:
+    """The model named by `--model`. Call with the same seed on every rank (DDP also broadcasts rank 0's)."""
+    if ":" in cfg.model:
+        model = load_plugin(cfg.model, "--model")(cfg)
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"--model {cfg.model}: the function returned {type(model).__name__}, "
+                             "not a torch.nn.Module")
+        return model
+    if cfg.model == "mini_resnet":
+        return MiniResNet(cfg.in_channels, cfg.num_classes, cfg.width, cfg.norm)
+    if cfg.model == "mlp":
+        return MLP(cfg.in_channels * cfg.image_size ** 2, cfg.num_classes, hidden=cfg.width)
+    raise UsageError(f"--model {cfg.model!r}: unknown")

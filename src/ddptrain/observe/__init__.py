@@ -1,0 +1,1 @@
+"""Observability: rank-aware logging, metric sinks, throughput and MFU, profiler, watchdog."""

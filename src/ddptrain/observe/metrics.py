@@ -1,0 +1,95 @@
+"""Metric sinks on rank 0: metrics.jsonl (the contract), TensorBoard, and a progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from ddptrain.errors import UsageError
+
+SPLITS = ("train", "eval")
+NUMERIC_SKIP = ("time", "step", "epoch")
+
+
+def require_tensorboard() -> None:
+    """UsageError unless the optional tensorboard package is importable."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise UsageError("--tensorboard needs the tensorboard package: pip install 'ddptrain[tensorboard]' "
+                         "(or pass --no-tensorboard)") from None
+
+
+def _clean(value: Any) -> Any:
+    # JSON has no NaN/inf; write them as null so every line stays standard JSON.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricSinks:
+    """Rank 0 only. Appends one JSON object per line (flushed) and mirrors numbers to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool):
+        self.path = run_dir / "metrics.jsonl"
+        self._file = open(self.path, "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            require_tensorboard()
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        assert record["split"] in SPLITS
+        self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key not in NUMERIC_SKIP and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"{record['split']}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Lines of a metrics.jsonl; a torn last line of a run still being written is skipped.
+
+    After a resume, steps between the checkpoint and the crash appear twice; the later line wins.
+    """
+    latest: dict[tuple[str, int], dict[str, Any]] = {}
+    with open(path) as fh:
+        for line in fh:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            latest[(record.get("split"), record.get("step"))] = record
+    return sorted(latest.values(), key=lambda r: (r["step"], r["split"] == "eval"))
+
+
+class ProgressBar:
+    """tqdm on rank 0 only, and only when stderr is a terminal (logs of batch jobs stay clean)."""
+
+    def __init__(self, enabled: bool, total_steps: int, initial: int):
+        self._bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=initial, unit="step", dynamic_ncols=True, leave=False)
+
+    def update(self, step: int, epoch: int, loss: float, samples_per_sec: float) -> None:
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix(epoch=epoch, loss=f"{loss:.4f}", samples_s=f"{samples_per_sec:,.0f}",
+                                  refresh=False)
+            self._bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

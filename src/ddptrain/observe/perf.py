@@ -1,0 +1,56 @@
+"""Throughput, FLOPs, MFU and memory: measured cheaply enough to stay on by default."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+# Dense bf16/fp16 tensor-core peaks in TFLOP/s per device (vendor datasheets, SXM parts where both exist).
+PEAK_TFLOPS = {
+    "B200": 2250.0, "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "L40S": 362.0,
+    "A100": 312.0, "A800": 312.0, "A10": 125.0, "L4": 121.0, "V100": 125.0, "T4": 65.0,
+}
+
+
+def known_peak_tflops(device: torch.device) -> float:
+    """Peak TFLOP/s of the detected GPU from the table, or 0.0 when unknown (then no MFU is reported)."""
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device).upper()
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "H100" must not match inside "GH200"
+        if key in name.split() or f" {key}" in f" {name}":
+            return PEAK_TFLOPS[key]
+    return 0.0
+
+
+def train_flops_per_sample(model: nn.Module, sample: torch.Tensor) -> float:
+    """Forward FLOPs of one sample, counted by torch's FlopCounterMode, times 3 for forward + backward.
+
+    The backward pass costs about twice the forward (grads w.r.t. inputs and weights), the usual
+    convention of MFU accounting. Runs the model once in eval mode under no_grad; state is unchanged.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(sample[:1])
+    finally:
+        model.train(was_training)
+    return 3.0 * counter.get_total_flops()
+
+
+def mfu(samples_per_sec_per_device: float, flops_per_sample: float, peak_tflops: float) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the device's peak; None without a peak."""
+    if peak_tflops <= 0 or flops_per_sample <= 0:
+        return None
+    return samples_per_sec_per_device * flops_per_sample / (peak_tflops * 1e12)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA allocator peak on GPU; the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
