@@ -62,8 +62,9 @@ def cmd_train(argv: list[str]) -> int:
                              "(RANK is set); drop --nproc and use the launcher's --nproc-per-node")
         from ddptrain.launch import launch_local, strip_flag
 
-        return launch_local("train", strip_flag(strip_flag(argv, "--nproc"), "--max_restarts"), cfg.nproc,
-                            cfg.max_restarts, Path(cfg.run_dir))
+        # Workers get `--nproc 0` so that an nproc from the config file does not make them launch again.
+        worker_argv = strip_flag(strip_flag(argv, "--nproc"), "--max_restarts") + ["--nproc", "0"]
+        return launch_local("train", worker_argv, cfg.nproc, cfg.max_restarts, Path(cfg.run_dir))
     return run_worker(cfg)
 
 

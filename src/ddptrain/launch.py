@@ -81,8 +81,8 @@ def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float)
         print(f"ddptrain: preempted: checkpoint of step {preempted['step']} committed; exit {EXIT_PREEMPTED} "
               "(run the same command to resume)", file=sys.stderr)
         return EXIT_PREEMPTED
-    if codes == {EXIT_USAGE}:
-        return EXIT_USAGE  # each worker already printed its one line
+    if EXIT_USAGE in codes:
+        return EXIT_USAGE  # the workers already printed their one line
     rank, failure = exc.get_first_failure()
     message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
     message = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}"

@@ -1,0 +1,41 @@
+"""Hygiene fixtures: a test must not leak launcher env vars, process groups or threads."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DDPTRAIN_FAULT")
+
+
+@pytest.fixture(autouse=True)
+def _hygiene():
+    env_before = {k: os.environ.get(k) for k in _LAUNCH_VARS}
+    threads_before = {t.ident for t in threading.enumerate()}
+    yield
+    leaked_env = [k for k in _LAUNCH_VARS if os.environ.get(k) != env_before[k]]
+    assert not leaked_env, f"test leaked environment variables: {leaked_env}"
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("test leaked an initialised process group")
+    leaked = [t.name for t in threading.enumerate()
+              if t.ident not in threads_before and t.is_alive() and t.name.startswith("ddptrain")]
+    assert not leaked, f"test leaked threads: {leaked}"
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

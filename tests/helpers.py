@@ -1,0 +1,85 @@
+"""Shared helpers for tests that run ddptrain as users do: real processes, gloo on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A tiny, fast, BatchNorm-free job: results are exactly comparable across world sizes.
+TINY = ["--model", "mlp", "--image_size", "8", "--width", "32", "--dataset_size", "256", "--eval_size", "61",
+        "--num_workers", "0", "--log_interval", "1", "--no-progress"]
+
+
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "DDPTRAIN_", "SLURM_"))}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO / "tests")})
+    env.update(extra or {})
+    return env
+
+
+def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 180,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m ddptrain ARGS` in a subprocess; output captured as text."""
+    return subprocess.run([sys.executable, "-m", "ddptrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env=cli_env(env), cwd=cwd or REPO)
+
+
+def train(run_dir: Path, *extra: str, nproc: int = 0, env: dict[str, str] | None = None,
+          timeout: float = 180, check: bool = True) -> subprocess.CompletedProcess:
+    args = ["train", *TINY, "--run_dir", str(run_dir), *extra]
+    if nproc:
+        args += ["--nproc", str(nproc)]
+    proc = run_cli(args, env=env, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def metrics(run_dir: Path, split: str | None = None) -> list[dict]:
+    """metrics.jsonl lines; after a resume the later line for a step wins (as `ddptrain report` reads it)."""
+    from ddptrain.observe.metrics import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    return [r for r in rows if split is None or r["split"] == split]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs: max |diff| {(a[key] - b[key]).abs().max()}"
+
+
+def last_committed(run_dir: Path) -> Path:
+    from ddptrain.checkpoint import committed_steps
+
+    return committed_steps(run_dir / "checkpoints")[0][1]
+
+
+def optimizer_state(ckpt_dir: Path) -> dict:
+    return torch.load(ckpt_dir / "optimizer.pt", weights_only=True)
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """Assert a usage error: exit 2, exactly one line on stderr, no traceback; return the line."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
