@@ -1,0 +1,351 @@
+"""`ddptrain doctor`: check a node or a whole cluster before training on it.
+
+It runs under the same launchers as training — `ddptrain doctor --nproc N`, `scripts/launch.sh doctor`,
+`torchrun ... -m ddptrain doctor`, or `srun` starting one task per device — and rank 0 prints:
+
+* one table with a row per rank: host, address and network interface, device, torch / python / ddptrain
+  versions, a hash of the installed ddptrain sources, rendezvous time, barrier latency, and what the rank
+  saw of the run dir;
+* an all-reduce sweep (1 KiB to 64 MiB) with algorithm bandwidth (bytes / time) and bus bandwidth
+  (algbw * 2(N-1)/N, the traffic each link carries in a ring all-reduce, comparable across world sizes);
+* the problems found, each naming the odd ranks: versions or code that differ from the rest, a run dir
+  a rank cannot write, a run dir that is not the same (shared) storage on every node, a wrong all-reduce.
+
+Exit status: 0 healthy, 1 problems (listed), 2 usage error. Must be started on all ranks.
+
+Test hook: ``DDPTRAIN_DOCTOR_TEST_HOOK="rank=R,private_run_dir=1,code_hash=X"`` makes rank R look at a
+private temporary directory instead of the run dir (an unshared disk) and/or report code hash X (a node
+with different code). It exists so that the problem reports can be tested on one machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ddptrain.errors import EXIT_FAILURE, EXIT_OK, UsageError
+
+HOOK_VAR = "DDPTRAIN_DOCTOR_TEST_HOOK"
+VERDICT_VAR = "DDPTRAIN_DOCTOR_VERDICT"  # set by `--nproc`: rank 0 writes the problems there
+SWEEP_MIN_BYTES = 1 << 10
+BARRIER_ROUNDS = 10
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message}; see `ddptrain doctor --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ddptrain doctor", allow_abbrev=False,
+                     description="Check versions, network, bandwidth and shared storage on every rank.")
+    parser.add_argument("--nproc", type=int, default=0, help="start this many local workers (0 = this process "
+                        "is a worker of torchrun/srun, or the only rank)")
+    parser.add_argument("--run_dir", default="runs", help="the directory training will use; checked for "
+                        "being writable and shared by every rank (default: runs)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
+                        help="process-group backend, as for training (default: auto)")
+    parser.add_argument("--max_mb", type=float, default=64.0, help="largest all-reduce of the sweep in MiB")
+    parser.add_argument("--iters", type=int, default=5, help="timed all-reduces per size")
+    parser.add_argument("--timeout_s", type=float, default=300.0, help="rendezvous and collective timeout")
+    return parser
+
+
+@dataclass
+class TestHook:
+    rank: int = -1
+    private_run_dir: bool = False
+    code_hash: str = ""
+
+    @classmethod
+    def from_env(cls) -> TestHook:
+        text = os.environ.get(HOOK_VAR, "")
+        if not text:
+            return cls()
+        fields: dict[str, str] = {}
+        for part in text.split(","):
+            key, sep, value = part.strip().partition("=")
+            if not sep or key not in ("rank", "private_run_dir", "code_hash"):
+                raise UsageError(f"{HOOK_VAR}: {part!r} is not one of rank=R, private_run_dir=1, code_hash=X")
+            fields[key] = value
+        try:
+            rank = int(fields.get("rank", "-1"))
+        except ValueError:
+            raise UsageError(f"{HOOK_VAR}: rank must be an integer") from None
+        return cls(rank=rank, private_run_dir=fields.get("private_run_dir", "0") == "1",
+                   code_hash=fields.get("code_hash", ""))
+
+
+def code_hash() -> str:
+    """sha256 (first 12 hex digits) of the installed ddptrain package's sources, by relative path."""
+    package = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+@dataclass
+class RankReport:
+    rank: int
+    host: str
+    addr: str
+    interface: str
+    device: str
+    torch: str
+    python: str
+    ddptrain: str
+    code: str
+    rendezvous_s: float
+    barrier_ms: float
+    run_dir_error: str  # "" when this rank could write its token file
+    run_dir_seen: list[int]  # ranks whose token files this rank sees
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.nproc < 0 or args.iters < 1 or args.max_mb <= 0 or args.timeout_s <= 0:
+        raise UsageError("--nproc must be >= 0, --iters >= 1, --max_mb and --timeout_s > 0")
+    hook = TestHook.from_env()
+    from ddptrain.distributed import read_launch_env
+
+    if args.nproc:
+        if read_launch_env().launched:
+            raise UsageError("--nproc starts local workers, but this process is already a worker of a launcher "
+                             "(RANK is set); drop --nproc")
+        return _launch(argv, args)
+    return check(args, hook)
+
+
+def _launch(argv: list[str], args: argparse.Namespace) -> int:
+    """`--nproc N`: the workers report to a verdict file, so that a problem is exit 1, not a crash report."""
+    from ddptrain.launch import launch_local, strip_flag
+
+    verdict = Path(tempfile.gettempdir()) / f"ddptrain-doctor-{uuid.uuid4().hex}.json"
+    os.environ[VERDICT_VAR] = str(verdict)
+    try:
+        code = launch_local("doctor", strip_flag(argv, "--nproc"), args.nproc, 0, Path(args.run_dir))
+        if code != EXIT_OK:
+            return code
+        problems = json.loads(verdict.read_text())["problems"]
+        return EXIT_FAILURE if problems else EXIT_OK
+    finally:
+        os.environ.pop(VERDICT_VAR, None)
+        verdict.unlink(missing_ok=True)
+
+
+def check(args: argparse.Namespace, hook: TestHook) -> int:
+    """Every check, on every rank; rank 0 prints. Must be called on all ranks."""
+    import torch
+
+    import ddptrain
+    from ddptrain.distributed import distributed
+
+    started = time.perf_counter()
+    scratch = Path(tempfile.gettempdir()) / "ddptrain-doctor"  # NCCL flight-recorder dumps, never the run dir
+    with distributed(args.backend, args.timeout_s, scratch) as ctx:
+        rendezvous_s = time.perf_counter() - started
+        barrier_ms = _barrier_latency_ms(ctx)
+        hooked = hook.rank == ctx.rank
+        run_dir_error, seen = _probe_run_dir(ctx, Path(args.run_dir), private=hooked and hook.private_run_dir)
+        sweep, sums_ok = _all_reduce_sweep(ctx, int(args.max_mb * (1 << 20)), args.iters)
+        mine = RankReport(
+            rank=ctx.rank, host=ctx.host, addr=ctx.addr, interface=ctx.interface, device=_device_name(ctx.device),
+            torch=torch.__version__, python=platform.python_version(), ddptrain=ddptrain.__version__,
+            code=hook.code_hash if hooked and hook.code_hash else code_hash(),
+            rendezvous_s=rendezvous_s, barrier_ms=barrier_ms, run_dir_error=run_dir_error, run_dir_seen=seen)
+        reports = [RankReport(**r) for r in _gather_objects(ctx, asdict(mine))]
+        problems = find_problems(reports, args.run_dir) + ([] if sums_ok else
+                                                           ["all-reduce returned wrong sums: check the network"])
+        if ctx.is_main:
+            print(render(reports, sweep, ctx.backend, args.run_dir, problems), flush=True)
+            if os.environ.get(VERDICT_VAR):
+                Path(os.environ[VERDICT_VAR]).write_text(json.dumps({"problems": problems}))
+        if os.environ.get(VERDICT_VAR):
+            return EXIT_OK  # the parent of `--nproc` turns the verdict into the exit status
+        return EXIT_FAILURE if problems else EXIT_OK
+
+
+# --- measurements (each must be called on all ranks) -------------------------------------------------
+
+def _gather_objects(ctx, obj: object) -> list:
+    import torch.distributed as dist
+
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, obj, group=ctx.control_group)
+    return out
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _barrier_latency_ms(ctx) -> float:
+    """Median time of a barrier on the training backend, in ms."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(BARRIER_ROUNDS + 1):
+        begin = time.perf_counter()
+        dist.barrier()
+        _sync(ctx.device)
+        times.append(time.perf_counter() - begin)
+    return 1000 * statistics.median(times[1:])  # the first one also waits for late ranks
+
+
+def _probe_run_dir(ctx, run_dir: Path, private: bool) -> tuple[str, list[int]]:
+    """Each rank writes a token file into RUN_DIR/.doctor/<token>/ and lists which ranks' files it sees.
+
+    Returns (error writing this rank's file or "", ranks seen). On shared storage every rank sees all.
+    """
+    token = ctx.broadcast_object(uuid.uuid4().hex[:12] if ctx.is_main else None)
+    base = Path(tempfile.mkdtemp(prefix="ddptrain-private-")) if private else run_dir
+    probe = base / ".doctor" / str(token)
+    mine = probe / f"rank-{ctx.rank}"
+    error = ""
+    try:
+        probe.mkdir(parents=True, exist_ok=True)
+        mine.write_text(f"{ctx.host} {ctx.addr}\n")
+    except OSError as exc:
+        error = f"{type(exc).__name__}: {exc.strerror or exc}"
+    ctx.barrier()  # every rank has written (or failed to) before anyone looks
+    seen = sorted(int(p.name.split("-")[1]) for p in probe.glob("rank-*")) if probe.is_dir() else []
+    ctx.barrier()  # every rank has looked before anyone cleans up
+    mine.unlink(missing_ok=True)
+    ctx.barrier()  # every token file is gone: whoever comes first removes the directories
+    for directory in (probe, probe.parent) + ((base,) if private else ()):
+        try:
+            directory.rmdir()
+        except OSError:  # already removed by a rank of this node, never created, or not empty
+            pass
+    return error, seen
+
+
+def _all_reduce_sweep(ctx, max_bytes: int, iters: int) -> tuple[list[dict], bool]:
+    """Time all-reduces of 1 KiB, 4 KiB, ... up to max_bytes; the slowest rank's time counts.
+
+    Each rank contributes rank + 1, so every element of the result must be N(N+1)/2: a cheap check that the
+    bytes arrive intact.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rows, ok = [], True
+    world = ctx.world_size
+    size = SWEEP_MIN_BYTES
+    while size <= max_bytes:
+        tensor = torch.full((size // 4,), float(ctx.rank + 1), dtype=torch.float32, device=ctx.device)
+        dist.all_reduce(tensor)  # warm-up: connections, buffers
+        ok = ok and bool((tensor == world * (world + 1) / 2).all())
+        dist.barrier()
+        _sync(ctx.device)
+        begin = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(tensor)
+        _sync(ctx.device)
+        seconds = (time.perf_counter() - begin) / iters
+        slowest = max(t for (t,) in ctx.gather_floats([seconds]))
+        algbw = size / slowest / 1e9
+        rows.append({"bytes": size, "time_ms": 1000 * slowest, "algbw_gbps": algbw,
+                     "busbw_gbps": bus_bandwidth(algbw, world)})
+        size *= 4
+    return rows, ok
+
+
+def bus_bandwidth(algbw: float, world_size: int) -> float:
+    """Ring all-reduce: each rank sends and receives 2(N-1)/N of the buffer, so busbw = algbw * 2(N-1)/N."""
+    return algbw * 2 * (world_size - 1) / world_size
+
+
+def _device_name(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "?"
+        return f"{torch.cuda.get_device_name(device)} (cuda {torch.version.cuda}, nccl {nccl})"
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+# --- verdict and printing (pure functions) -------------------------------------------------------------
+
+def _who(reports: list[RankReport], ranks: list[int]) -> str:
+    hosts = dict.fromkeys(f"{reports[r].host} ({reports[r].addr})" for r in ranks)
+    return f"rank {', '.join(map(str, ranks))} on {', '.join(hosts)}"
+
+
+def find_problems(reports: list[RankReport], run_dir: str) -> list[str]:
+    """One line per problem, naming the odd ranks (the value most ranks share is taken as the norm)."""
+    problems = []
+    for field, what in (("torch", "torch version"), ("python", "python version"), ("ddptrain", "ddptrain version"),
+                        ("code", "ddptrain code hash"), ("device", "device")):
+        values = [getattr(r, field) for r in reports]
+        norm = max(dict.fromkeys(values), key=values.count)  # ties: the value of the lowest rank
+        odd = [r.rank for r in reports if getattr(r, field) != norm]
+        if odd:
+            theirs = ", ".join(dict.fromkeys(getattr(reports[r], field) for r in odd))
+            problems.append(f"{what} differs: {_who(reports, odd)} has {theirs}, the others {norm}")
+    unwritable = [r.rank for r in reports if r.run_dir_error]
+    if unwritable:
+        errors = "; ".join(dict.fromkeys(reports[r].run_dir_error for r in unwritable))
+        problems.append(f"run dir {run_dir} is not writable by {_who(reports, unwritable)} ({errors})")
+    everyone = [r.rank for r in reports]
+    views: dict[tuple[int, ...], list[int]] = {}
+    for r in reports:
+        if not r.run_dir_error:
+            views.setdefault(tuple(r.run_dir_seen), []).append(r.rank)
+    if any(list(seen) != everyone for seen in views):
+        described = "; ".join(f"{_who(reports, ranks)}: sees the files of rank {', '.join(map(str, seen))}"
+                              for seen, ranks in views.items())
+        problems.append(f"run dir {run_dir} is not the same storage on every rank ({described}); put it on a "
+                        "filesystem every node mounts at the same path")
+    return problems
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes // scale} {unit}"
+    return f"{num_bytes} B"
+
+
+def render(reports: list[RankReport], sweep: list[dict], backend: str, run_dir: str, problems: list[str]) -> str:
+    world = len(reports)
+    ranks = _table(
+        ["rank", "host", "address", "iface", "device", "torch", "python", "ddptrain", "code", "rdzv s",
+         "barrier ms", "run dir"],
+        [[str(r.rank), r.host, r.addr, r.interface, r.device, r.torch, r.python, r.ddptrain, r.code,
+          f"{r.rendezvous_s:.2f}", f"{r.barrier_ms:.3f}",
+          "not writable" if r.run_dir_error else f"sees {len(r.run_dir_seen)}/{world}"] for r in reports])
+    bandwidth = _table(["size", "time ms", "algbw GB/s", "busbw GB/s"],
+                       [[_size(row["bytes"]), f"{row['time_ms']:.3f}", f"{row['algbw_gbps']:.3g}",
+                         f"{row['busbw_gbps']:.3g}"] for row in sweep])
+    verdict = ("healthy: versions and code agree, the run dir is writable and shared, all-reduce works"
+               if not problems else "problems:\n" + "\n".join(f"  - {p}" for p in problems))
+    return (f"ddptrain doctor: {world} rank(s), backend {backend}, run dir {run_dir}\n\n{ranks}\n\n"
+            f"all-reduce sweep (busbw = algbw * 2(N-1)/N, N = {world}; slowest rank's time)\n{bandwidth}\n\n"
+            f"{verdict}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

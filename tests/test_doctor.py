@@ -1,0 +1,90 @@
+"""`ddptrain doctor`: healthy runs exit 0 with bandwidth figures; odd ranks are named and exit 1."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from helpers import one_line_error, run_cli
+
+from ddptrain import doctor
+
+SIZES = ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB", "64 MiB"]
+
+
+def sweep_rows(output: str) -> dict[str, tuple[float, float, float]]:
+    """size -> (time ms, algbw, busbw) from the printed sweep."""
+    rows = re.findall(r"^(\d+ [KM]iB)\s+([\d.]+)\s+([\d.e+-]+)\s+([\d.e+-]+)$", output, re.M)
+    return {size: (float(t), float(alg), float(bus)) for size, t, alg, bus in rows}
+
+
+def test_two_local_processes_are_healthy_with_a_full_sweep(tmp_path):
+    proc = run_cli(["doctor", "--nproc", "2", "--run_dir", str(tmp_path / "run"), "--iters", "2"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "healthy" in proc.stdout
+    assert re.search(r"^0\s+\S+\s+127\.0\.0\.1\s+lo\s+cpu", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^1\s+\S+\s+127\.0\.0\.1\s+lo\s+cpu.*sees 2/2$", proc.stdout, re.M), proc.stdout
+    rows = sweep_rows(proc.stdout)
+    assert list(rows) == SIZES
+    for millis, algbw, busbw in rows.values():
+        assert millis > 0 and algbw > 0 and busbw == algbw  # N = 2: 2(N-1)/N = 1
+    assert list((tmp_path / "run").iterdir()) == []  # the probe files are cleaned up
+
+
+def test_unshared_run_dir_and_odd_code_are_reported(tmp_path):
+    proc = run_cli(["doctor", "--nproc", "2", "--run_dir", str(tmp_path / "run"), "--max_mb", "1"],
+                   env={doctor.HOOK_VAR: "rank=1,private_run_dir=1,code_hash=0badc0de0bad"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    problems = proc.stdout[proc.stdout.index("problems:"):]
+    assert re.search(r"code hash differs: rank 1 on \S+ \(127\.0\.0\.1\) has 0badc0de0bad, the others [0-9a-f]{12}",
+                     problems), problems
+    assert "is not the same storage on every rank" in problems
+    assert re.search(r"rank 1 on \S+ \(127\.0\.0\.1\): sees the files of rank 1\)", problems), problems
+    assert list(sweep_rows(proc.stdout)) == SIZES[:6]  # the figures are still printed
+    assert "training failed" not in proc.stderr
+
+
+def test_single_process_runs_every_check_in_process(tmp_path, capsys):
+    assert doctor.main(["--run_dir", str(tmp_path), "--max_mb", "0.01", "--iters", "1"]) == 0
+    output = capsys.readouterr().out
+    assert "1 rank(s)" in output and "healthy" in output
+    assert list(sweep_rows(output)) == ["1 KiB", "4 KiB"]
+
+
+def _report(rank: int, **changes) -> doctor.RankReport:
+    fields = dict(rank=rank, host=f"h{rank // 2}", addr=f"10.0.0.{rank // 2 + 1}", interface="eth0", device="cpu",
+                  torch="2.13", python="3.11", ddptrain="0.1.0", code="abc", rendezvous_s=0.1, barrier_ms=1.0,
+                  run_dir_error="", run_dir_seen=[0, 1, 2, 3])
+    return doctor.RankReport(**{**fields, **changes})
+
+
+def test_problems_name_the_odd_ranks_and_their_hosts():
+    reports = [_report(0), _report(1), _report(2, torch="2.12"), _report(3, torch="2.12"),
+               _report(4, run_dir_error="PermissionError: Permission denied", run_dir_seen=[0, 1, 2, 3])]
+    for r in reports[:4]:
+        r.run_dir_seen = [0, 1, 2, 3]
+    problems = doctor.find_problems(reports, "runs")
+    assert problems[0] == "torch version differs: rank 2, 3 on h1 (10.0.0.2) has 2.12, the others 2.13"
+    assert problems[1].startswith("run dir runs is not writable by rank 4 on h2 (10.0.0.3) (PermissionError")
+    assert any("not the same storage" in p for p in problems)  # no rank saw rank 4's file
+
+
+def test_bus_bandwidth_is_the_ring_all_reduce_factor():
+    assert doctor.bus_bandwidth(10.0, 1) == 0.0
+    assert doctor.bus_bandwidth(10.0, 2) == 10.0
+    assert doctor.bus_bandwidth(10.0, 4) == 15.0
+    assert doctor.bus_bandwidth(8.0, 8) == 14.0
+
+
+def test_code_hash_is_stable_and_short():
+    assert doctor.code_hash() == doctor.code_hash()
+    assert re.fullmatch(r"[0-9a-f]{12}", doctor.code_hash())
+
+
+@pytest.mark.parametrize("args, env, names", [
+    (["--iters", "0"], {}, "--iters"),
+    (["--bogus"], {}, "--bogus"),
+    ([], {doctor.HOOK_VAR: "rank=one"}, doctor.HOOK_VAR),
+])
+def test_usage_errors_are_one_line(args, env, names):
+    assert names in one_line_error(run_cli(["doctor", *args], env=env))

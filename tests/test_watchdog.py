@@ -1,0 +1,122 @@
+"""Hangs and failures that name the rank, two-tier timeouts, NCCL diagnostics, stragglers."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from helpers import TINY, metrics, train
+
+HOST = socket.gethostname()
+
+
+def test_hang_dumps_stacks_and_names_rank_host_step_phase(tmp_path):
+    """Rank 1 stalls before reading step 3's batch; the others wait in its all-reduce."""
+    limit_s = 150
+    started = time.monotonic()
+    proc = train(tmp_path, "--max_steps", "6", "--hang_timeout_s", "3", "--inject_fault", "rank=1,step=3,kind=hang",
+                 nproc=2, check=False, timeout=limit_s)
+    took = time.monotonic() - started
+    assert proc.returncode == 1, proc.stderr
+    assert took < limit_s / 2, f"took {took:.0f} s"
+    output = proc.stdout + proc.stderr
+    # Whichever rank's watchdog fires first, the stuck rank is named with its host, step and phase.
+    assert re.search(rf"rank 1 on host {re.escape(HOST)}\b.*step 3.*phase data", output), output
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("ddptrain: training failed")]
+    assert summary and "hang:" in summary[0] and "rank 1 on host" in summary[0], proc.stderr
+    stuck_log = (tmp_path / "logs" / "rank-1.log").read_text()
+    assert "stacks of every thread of rank 1" in stuck_log
+    assert "in at_micro_step" in stuck_log and "in train_step" in stuck_log, stuck_log  # the main thread's stack
+
+
+def test_a_rank_that_raises_stops_every_rank_and_is_named(tmp_path):
+    limit_s = 150
+    started = time.monotonic()
+    proc = train(tmp_path, "--max_steps", "6", "--inject_fault", "rank=1,step=3,kind=raise", nproc=3,
+                 check=False, timeout=limit_s)
+    took = time.monotonic() - started
+    assert proc.returncode == 1, proc.stderr
+    assert took < limit_s / 2, f"took {took:.0f} s"
+    summary = [line for line in proc.stderr.splitlines() if line.startswith("ddptrain: training failed")]
+    assert len(summary) == 1, proc.stderr
+    assert f"rank 1 on host {HOST}: InjectedFault: injected fault kind=raise at step 3" in summary[0], summary
+    # The others stopped because of it, not a timeout: each reports the lost connection.
+    for rank in (0, 2):
+        assert re.search(rf"ddptrain: rank {rank} on host .* failed at step 2: .*(closed|reset) by peer", proc.stderr)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_persistent_straggler_is_named_and_metrics_carry_skew(tmp_path):
+    """Rank 2's data is slow: in synchronous DDP everyone's step takes as long, its own time does not."""
+    train(tmp_path, "--max_steps", "8", "--dataset", "multinode_plugins:slow_rank_synthetic", "--eval_size", "0",
+          nproc=3, env={"DDPTRAIN_TEST_SLOW_RANK": "2", "DDPTRAIN_TEST_SLOW_S": "0.004"})
+    rows = metrics(tmp_path, "train")
+    assert len(rows) == 8
+    for row in rows:
+        assert isinstance(row["slowest_rank"], int) and row["slowest_host"] == HOST
+        assert row["step_time_skew"] >= 1.0
+    late = rows[2:]  # past the first steps' warm-up noise
+    assert all(row["slowest_rank"] == 2 for row in late), [r["slowest_rank"] for r in rows]
+    assert min(row["step_time_skew"] for row in late) > 2, [r["step_time_skew"] for r in rows]
+    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    assert re.search(rf"straggler: rank 2 on host {re.escape(HOST)} .* for 3 log intervals", log), log
+
+
+def test_timeouts_switch_from_init_to_collective_after_the_first_step(tmp_path, monkeypatch):
+    """In-process world of 1: the plug-in dataset reads the group's timeout as each sample is loaded."""
+    import multinode_plugins
+
+    from ddptrain.cli import run_worker
+    from ddptrain.config import resolve_config
+
+    monkeypatch.setattr(multinode_plugins, "TIMEOUTS_SEEN", [])
+    cfg = resolve_config([*TINY, "--run_dir", str(tmp_path), "--dataset", "multinode_plugins:timeout_probe_synthetic",
+                          "--batch_size", "64", "--max_steps", "3", "--init_timeout_s", "77",
+                          "--collective_timeout_s", "11", "--hang_timeout_s", "0"])
+    assert run_worker(cfg) == 0
+    steps = multinode_plugins.TIMEOUTS_SEEN[-3 * 64:]  # before them: a sample read to count FLOPs
+    assert steps == [77.0] * 64 + [11.0] * 128, (steps[:1], steps[63:66], steps[-1:])
+
+
+def test_nccl_diagnostics_are_on_by_default_and_user_settings_win(tmp_path, monkeypatch):
+    from ddptrain.distributed import _enable_nccl_diagnostics
+
+    names = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+             "TORCH_FR_DUMP_TEMP_FILE")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "5")
+    _enable_nccl_diagnostics(tmp_path)
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "5"
+    dump_prefix = Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"])
+    assert dump_prefix.parent == tmp_path / "flight_recorder" and dump_prefix.parent.is_dir()
+
+
+@pytest.mark.parametrize("peers, mine, behind", [
+    # Same step: the rank still reading data is behind the ranks waiting in the all-reduce, however idle.
+    ([(1, 3, "data", 5.0), (2, 3, "backward+all-reduce", 5.1)], (3, "backward+all-reduce", 4.9), 1),
+    # An earlier step beats any phase.
+    ([(1, 2, "sync", 4.0), (2, 3, "data", 9.0)], (3, "backward+all-reduce", 9.0), 1),
+    # This rank is the one behind: no one else is named.
+    ([(1, 3, "backward+all-reduce", 4.0)], (3, "data", 4.1), None),
+])
+def test_furthest_behind_is_the_earliest_step_then_phase(peers, mine, behind):
+    from ddptrain.observe.watchdog import Watchdog
+
+    class Ctx:
+        rank, host, world_size = 0, "h0", 3
+
+    dog = Watchdog.__new__(Watchdog)  # describe() only: no threads, no store
+    dog.ctx, (dog.step, dog._phase, idle) = Ctx(), mine
+    dog._peers = lambda: [{"rank": r, "step": s, "phase": p, "idle_s": i, "host": f"h{r}"} for r, s, p, i in peers]
+    line = dog.describe(idle)
+    if behind is None:
+        assert "furthest behind" not in line, line
+    else:
+        assert f"; rank {behind} on host h{behind} is furthest behind" in line, line
