@@ -1,0 +1,76 @@
+"""`ddptrain export CHECKPOINT_DIR OUT.safetensors`: a verified checkpoint's weights as one safetensors file.
+
+Writes OUT.safetensors (the model's state_dict: parameters and buffers, keys as `model.state_dict()`
+names them; metadata: format, step, epoch, model, source checkpoint) and OUT.json next to it (the run's
+resolved config, the keys of `ddptrain train`). The checkpoint is verified first: every file against its
+manifest's sha256 and size, and nothing is unpickled except through torch's weights-only loader.
+CHECKPOINT_DIR may also be a run dir or its checkpoints/ dir: the newest committed checkpoint is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from ddptrain.checkpoint import MANIFEST, CheckpointError, committed_steps, read_checkpoint, write_atomic
+from ddptrain.errors import UsageError
+
+FORMAT = "ddptrain-export/1"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message}; see `{self.prog} --help`")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = _Parser(prog="ddptrain export",
+                     description="Verify a checkpoint and write its weights as OUT.safetensors plus OUT.json "
+                                 "(the config).")
+    parser.add_argument("checkpoint", help="a committed checkpoints/step-N dir (or a run dir: its newest)")
+    parser.add_argument("out", help="the .safetensors file to write; the config goes next to it as .json")
+    return parser.parse_args(argv)
+
+
+def find_checkpoint(path: Path) -> Path:
+    """`path` itself if it is a checkpoint, else the newest committed one under it (or its checkpoints/)."""
+    if not path.is_dir():
+        raise UsageError(f"{path}: no such directory; pass a checkpoints/step-N dir of a run")
+    if (path / MANIFEST).is_file():
+        return path
+    for directory in (path, path / "checkpoints"):
+        found = committed_steps(directory)
+        if found:
+            return found[0][1]
+    raise UsageError(f"{path}: not a committed checkpoint (no {MANIFEST}) and holds none; pass a "
+                     "checkpoints/step-N dir that has a manifest.json")
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    if out.suffix != ".safetensors":
+        raise UsageError(f"{out}: the output file must end in .safetensors (the config is written next to it "
+                         "as .json)")
+    checkpoint = find_checkpoint(Path(args.checkpoint))
+    try:
+        loaded = read_checkpoint(checkpoint, torch.device("cpu"))
+    except CheckpointError as exc:
+        raise UsageError(f"{checkpoint}: unusable checkpoint: {exc}") from None
+
+    manifest = loaded.manifest
+    weights = {name: tensor.contiguous() for name, tensor in loaded.model.items()}
+    metadata = {"format": FORMAT, "step": str(manifest["step"]), "epoch": str(manifest["epoch"]),
+                "model": str(manifest["config"].get("model", "")), "checkpoint": str(checkpoint.resolve())}
+    config_path = out.with_suffix(".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, safetensors.torch.save(weights, metadata=metadata))
+    write_atomic(config_path, (json.dumps(manifest["config"], indent=1, sort_keys=True) + "\n").encode())
+    size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
+    print(f"exported {len(weights)} tensors ({size_mb:.1f} MiB) of step {manifest['step']} from {checkpoint} "
+          f"to {out}; config: {config_path}")
+    return 0

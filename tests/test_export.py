@@ -1,0 +1,90 @@
+"""`ddptrain export`: verified checkpoint -> one safetensors file + config JSON; the README snippet loads it."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from helpers import REPO, cli_env, last_committed, weights
+from observed_run import observed_run
+
+from ddptrain import cli
+from ddptrain.checkpoint import read_checkpoint
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return observed_run(tmp_path_factory)
+
+
+def export(capsys, *args: str) -> tuple[int, str, str]:
+    """`ddptrain export ARGS` in this process: (exit code, stdout, stderr)."""
+    code = cli.main(["export", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def export_error(capsys, *args: str) -> str:
+    """The one stderr line of a refused export (exit 2)."""
+    code, _, err = export(capsys, *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, (code, err)
+    return lines[0]
+
+
+def readme_snippet() -> str:
+    """The Python block of README's "Exporting weights" section, exactly as users read it."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("<!-- section:export -->", 1)[1].split("<!-- /section:export -->", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1, "the export section should hold exactly one python block"
+    return blocks[0]
+
+
+def test_export_writes_weights_and_config_that_the_readme_snippet_loads(run, tmp_path, capsys):
+    checkpoint = last_committed(run.run_dir)
+    code, _, err = export(capsys, str(checkpoint), str(tmp_path / "model.safetensors"))
+    assert code == 0, err
+    exported = weights(tmp_path / "model.safetensors")
+    loaded = read_checkpoint(checkpoint, torch.device("cpu"))
+    assert exported.keys() == loaded.model.keys()
+    assert all(torch.equal(exported[k], loaded.model[k]) for k in exported)
+    assert json.loads((tmp_path / "model.json").read_text()) == loaded.manifest["config"]
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as fh:
+        meta = fh.metadata()
+    assert meta["step"] == "12" and meta["model"] == "mini_resnet" and meta["format"] == "ddptrain-export/1"
+
+    # The snippet runs as written, in the directory holding the two files; strict loading checks every key.
+    snippet = subprocess.run([sys.executable, "-c", readme_snippet()], cwd=tmp_path, env=cli_env(),
+                             capture_output=True, text=True, timeout=120)
+    assert snippet.returncode == 0, snippet.stderr
+    assert "torch.Size([1, 10])" in snippet.stdout
+
+
+def test_export_of_a_run_dir_takes_its_newest_checkpoint(run, tmp_path, capsys):
+    code, out, err = export(capsys, str(run.run_dir), str(tmp_path / "w.safetensors"))
+    assert code == 0, err
+    assert str(last_committed(run.run_dir)) in out
+    assert (tmp_path / "w.json").is_file()
+
+
+def test_export_refuses_corrupted_uncommitted_and_missing_checkpoints(run, tmp_path, capsys):
+    bad = tmp_path / "step-12"
+    shutil.copytree(last_committed(run.run_dir), bad)
+    blob = bytearray((bad / "model.safetensors").read_bytes())
+    blob[-1] ^= 0xFF
+    (bad / "model.safetensors").write_bytes(bytes(blob))
+    line = export_error(capsys, str(bad), str(tmp_path / "out.safetensors"))
+    assert "sha256" in line and str(bad) in line
+    (bad / "manifest.json").unlink()
+    assert "not a committed checkpoint" in export_error(capsys, str(bad), str(tmp_path / "o.safetensors"))
+    assert "no such directory" in export_error(capsys, str(tmp_path / "nope"), str(tmp_path / "o.safetensors"))
+    assert ".safetensors" in export_error(capsys, str(last_committed(run.run_dir)), str(tmp_path / "o.pt"))
+    assert not (tmp_path / "out.safetensors").exists()
