@@ -12,7 +12,6 @@ import subprocess
 import sys
 import termios
 import threading
-from pathlib import Path
 
 import pytest
 import torch
