@@ -1,0 +1,100 @@
+"""Checkpoints of a 2-process run resume and finish; a checkpoint file carrying code is refused unexecuted.
+
+(Exact-resume and fault-tolerance behaviour is tested in test_resume.py.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipeline_runs as runs
+from helpers import metrics, one_line_error, read_jsonl, train, weights
+from ddptrain.checkpoint import MANIFEST, CheckpointError, committed_steps, read_checkpoint
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> Path:
+    return runs.pair(tmp_path_factory)
+
+
+def test_checkpoint_of_a_two_process_run_resumes_and_finishes(pair: Path, tmp_path: Path):
+    steps = runs.STEPS_PER_EPOCH
+    saved = dict(committed_steps(pair / "checkpoints"))
+    assert sorted(saved) == [steps, 2 * steps], "--save_every 1 commits one checkpoint per epoch"
+    manifest = json.loads((saved[steps] / MANIFEST).read_text())
+    assert manifest["world_size"] == 2 and manifest["step"] == steps and manifest["epoch"] == 1
+    for name in ("model.safetensors", "optimizer.pt", "trainer.pt"):
+        assert (saved[steps] / name).is_file()
+
+    resumed = tmp_path / "resumed"
+    proc = train(resumed, *runs.SHARED, "--batch_size", "16", "--resume_from", str(saved[steps]), nproc=2)
+    assert f"resuming from {saved[steps]}" in proc.stdout
+    assert [r["step"] for r in metrics(resumed, "train")] == list(range(steps + 1, 2 * steps + 1))
+    assert committed_steps(resumed / "checkpoints")[0][0] == 2 * steps
+    # The second epoch read the samples the uninterrupted run read, and ended at the same weights.
+    for rank in (0, 1):
+        name = f"samples/rank-{rank}.jsonl"
+        assert read_jsonl(resumed / name) == [r for r in read_jsonl(pair / name) if r["step"] > steps]
+    final, uninterrupted = weights(resumed / "model.safetensors"), weights(pair / "model.safetensors")
+    for key in final:
+        torch.testing.assert_close(final[key], uninterrupted[key], rtol=1e-6, atol=1e-7)
+
+
+class RunsCode:
+    """Unpickling this runs a shell command that creates `sentinel`."""
+
+    def __init__(self, sentinel: Path):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.sentinel}",)
+
+
+def plant_hostile(checkpoint: Path, name: str, sentinel: Path) -> None:
+    """Replace checkpoint/name with a pickle that runs code, and re-sign the manifest so it is loaded."""
+    torch.save({"state": RunsCode(sentinel), "param_groups": []}, checkpoint / name)
+    data = (checkpoint / name).read_bytes()
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+
+
+def hostile_copy(pair: Path, tmp_path: Path, name: str) -> tuple[Path, Path]:
+    step, source = committed_steps(pair / "checkpoints")[0]
+    checkpoint = tmp_path / "checkpoints" / f"step-{step}"
+    shutil.copytree(source, checkpoint)
+    sentinel = tmp_path / f"pwned-{name}"
+    plant_hostile(checkpoint, name, sentinel)
+    return checkpoint, sentinel
+
+
+def test_the_planted_payload_is_live(tmp_path: Path):
+    """Control: an unsafe load of the same bytes does run the code, so the refusals below mean something."""
+    sentinel = tmp_path / "pwned"
+    torch.save({"state": RunsCode(sentinel)}, tmp_path / "x.pt")
+    torch.load(tmp_path / "x.pt", weights_only=False)
+    assert sentinel.exists()
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "trainer.pt"])
+def test_loader_refuses_a_pickle_that_runs_code(pair: Path, tmp_path: Path, name: str):
+    checkpoint, sentinel = hostile_copy(pair, tmp_path, name)
+    with pytest.raises(CheckpointError, match=f"{name} refused by the safe loader"):
+        read_checkpoint(checkpoint, torch.device("cpu"))
+    assert not sentinel.exists(), "the checkpoint's code ran"
+
+
+def test_resume_from_a_hostile_checkpoint_exits_2_without_running_it(pair: Path, tmp_path: Path):
+    checkpoint, sentinel = hostile_copy(pair, tmp_path, "optimizer.pt")
+    proc = train(tmp_path / "run", *runs.SHARED, "--resume_from", str(checkpoint), check=False)
+    line = one_line_error(proc)
+    assert "--resume_from" in line and "optimizer.pt refused" in line, line
+    assert not sentinel.exists(), "the checkpoint's code ran"
+    assert not (tmp_path / "run" / "model.safetensors").exists()

@@ -1,0 +1,157 @@
+"""The one TrainConfig: flags, TOML, precedence, the resolved config.toml, and one-line usage errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import pipeline_runs as runs
+from helpers import one_line_error, run_cli
+from ddptrain.config import TrainConfig, build_parser, load_toml, resolve_config, to_toml
+
+# The seed article's flags: each keeps its name and meaning. Values differ from the defaults on purpose.
+SEED_FLAGS = {
+    "num_classes": 7, "in_channels": 1, "image_size": 12, "dataset_size": 123, "batch_size": 5,
+    "num_workers": 0, "epochs": 4, "lr": 0.25, "momentum": 0.8, "weight_decay": 0.001, "backend": "gloo",
+    "grad_accum_steps": 3, "save_every": 2, "log_interval": 7, "seed": 123,
+}
+SEED_SWITCHES = ("use_amp", "enable_profiling")
+SEED_PATHS = ("checkpoint_dir", "resume_from")
+
+
+def test_every_seed_flag_parses(tmp_path: Path):
+    resume = tmp_path / "checkpoints" / "step-3"
+    resume.mkdir(parents=True)
+    argv = []
+    for name, value in SEED_FLAGS.items():
+        argv += [f"--{name}", str(value)]
+    argv += [f"--{name}" for name in SEED_SWITCHES]
+    argv += ["--checkpoint_dir", str(tmp_path / "ck"), "--resume_from", str(resume)]
+    cfg = resolve_config(argv)
+    defaults = TrainConfig()
+    for name, value in SEED_FLAGS.items():
+        assert getattr(cfg, name) == value and getattr(defaults, name) != value, name
+        assert type(getattr(cfg, name)) is type(getattr(defaults, name)), name
+    assert cfg.use_amp is True and cfg.enable_profiling is True
+    assert cfg.checkpoint_path == tmp_path / "ck"
+    assert cfg.resume_from == str(resume)
+    assert not resolve_config(["--use_amp", "--no-use_amp"]).use_amp, "the last of --x / --no-x wins"
+    assert resolve_config(["--lr=0.5"]).lr == 0.5
+
+
+def test_every_field_has_a_flag_and_bools_have_both_forms():
+    flags = {s for action in build_parser()._actions for s in action.option_strings}
+    for f in dataclasses.fields(TrainConfig):
+        assert f"--{f.name}" in flags
+        if f.type == "bool":
+            assert f"--no-{f.name}" in flags
+    assert set(SEED_FLAGS) | set(SEED_SWITCHES) | set(SEED_PATHS) <= {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def test_help_lists_every_flag():
+    proc = run_cli(["train", "--help"])
+    assert proc.returncode == 0, proc.stderr
+    for f in dataclasses.fields(TrainConfig):
+        assert f"--{f.name}" in proc.stdout
+
+
+def test_command_line_overrides_file_overrides_defaults(tmp_path: Path):
+    config = tmp_path / "exp.toml"
+    config.write_text('batch_size = 8\nlr = 1\nuse_amp = true\noptimizer = "adamw"\n')
+    cfg = resolve_config(["--config", str(config), "--lr", "0.2", "--no-use_amp"])
+    assert cfg.batch_size == 8 and cfg.optimizer == "adamw"  # from the file
+    assert cfg.lr == 0.2 and cfg.use_amp is False  # the command line wins
+    assert cfg.momentum == TrainConfig().momentum  # neither: the default
+    assert cfg.run_dir == str(Path("runs") / "exp"), "the default run dir is named after the config file"
+    assert isinstance(load_toml(str(config))["lr"], float), "an integer in TOML is a valid float value"
+
+
+def test_to_toml_round_trips_awkward_values(tmp_path: Path):
+    cfg = TrainConfig(run_dir='runs/a "quoted" \\ dir', lr=1e-4, use_amp=True, inject_fault="", seed=0)
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    assert resolve_config(["--config", str(path)], validate=False) == cfg
+
+
+def test_a_runs_resolved_config_round_trips_through_config(tmp_path_factory):
+    single = runs.single(tmp_path_factory)
+    text = (single / "config.toml").read_text()
+    cfg = resolve_config(["--config", str(single / "config.toml")])
+    assert to_toml(cfg) == text
+    assert cfg.run_dir == str(single) and cfg.dataset_size == runs.NUM_TRAIN and cfg.record_sample_ids
+    # A real run driven by that file (plus three flags) resolved to the same config but for those flags.
+    accum = runs.accum_1x4(tmp_path_factory)
+    changed = dict(run_dir=str(accum), batch_size=8, grad_accum_steps=4)
+    assert resolve_config(["--config", str(accum / "config.toml")]) == dataclasses.replace(cfg, **changed)
+
+
+# --- bad input: exit 2, one line on stderr naming the flag, no traceback ----------------------------
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+BAD_INPUT = {
+    # id: (argv after `train` (tmp_path is substituted for {tmp}), extra env, expected text in the line)
+    "out-of-range value": (["--batch_size", "0"], {}, "--batch_size must be >= 1"),
+    "negative lr": (["--lr", "-0.1"], {}, "--lr"),
+    "wrong type": (["--epochs", "two"], {}, "--epochs expects int"),
+    "bad choice": (["--optimizer", "adam"], {}, "--optimizer"),
+    "missing value": (["--lr"], {}, "--lr"),
+    "unknown flag": (["--batchsize", "8"], {}, "did you mean --batch_size"),
+    "unknown toml key": (["--config", "{tmp}/unknown.toml"], {},
+                         "unknown key 'batchsize'; did you mean 'batch_size'"),
+    "toml wrong type": (["--config", "{tmp}/typed.toml"], {}, "batch_size = '8' should be int"),
+    "malformed toml": (["--config", "{tmp}/broken.toml"], {}, "malformed TOML"),
+    "missing config file": (["--config", "{tmp}/nowhere.toml"], {}, "no such file"),
+    "unimportable plug-in": (["--model", "no_such_package.models:build"], {}, "--model"),
+    "plug-in raising on import": (["--dataset", "broken_plugin:dataset"], {"PYTHONPATH": "{tmp}"}, "--dataset"),
+    "plug-in without the function": (["--model", "json:no_such_fn"], {}, "no callable 'no_such_fn'"),
+    "plug-in without a colon part": (["--model", "json:"], {}, "'package.module:function'"),
+    "unknown built-in model": (["--model", "resnet9000"], {}, "--model 'resnet9000'"),
+    "resume_from missing": (["--resume_from", "{tmp}/no/step-3"], {}, "--resume_from"),
+    "bad fault spec": (["--inject_fault", "rank=one"], {}, "--inject_fault"),
+    "half-set launcher env": ([], {"RANK": "0"}, "half-set"),
+    "--nproc inside a launcher": (["--nproc", "2"], {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                                                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"},
+                                  "--nproc"),
+    "sync_batchnorm on CPU": (["--sync_batchnorm"], {}, "--sync_batchnorm"),
+    "fp16 on CPU": (["--use_amp", "--amp_dtype", "fp16"], {}, "--amp_dtype fp16"),
+    "nccl on CPU": (["--backend", "nccl"], {}, "--backend nccl"),
+    "bad value under --nproc": (["--nproc", "2", "--momentum", "-1"], {}, "--momentum"),
+}
+CUDA_ONLY_ERRORS = ("sync_batchnorm on CPU", "fp16 on CPU", "nccl on CPU")
+
+
+@pytest.fixture
+def bad_files(tmp_path: Path) -> Path:
+    _write(tmp_path, "unknown.toml", "batchsize = 8\n")
+    _write(tmp_path, "typed.toml", 'batch_size = "8"\n')
+    _write(tmp_path, "broken.toml", "lr = = 0.1\n")
+    _write(tmp_path, "broken_plugin.py", "raise RuntimeError('this plug-in is broken')\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_exits_2_with_one_line(case: str, bad_files: Path):
+    argv, env, expected = BAD_INPUT[case]
+    if case in CUDA_ONLY_ERRORS:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CPU-only error")
+    fill = lambda s: s.replace("{tmp}", str(bad_files))  # noqa: E731
+    proc = run_cli(["train", *map(fill, argv)], env={k: fill(v) for k, v in env.items()})
+    line = one_line_error(proc)
+    assert line.startswith("ddptrain: error: ")
+    assert expected in line, line
+    assert proc.stdout == ""
+
+
+def test_unknown_command_exits_2_with_one_line():
+    line = one_line_error(run_cli(["trian"]))
+    assert "unknown command 'trian'" in line and "train" in line

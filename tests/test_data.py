@@ -1,0 +1,161 @@
+"""Data order and sharding: unit tests of the samplers and datasets, then what a real 2-process run read."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+import pipeline_runs as runs
+from helpers import read_jsonl
+from ddptrain.config import TrainConfig
+from ddptrain.data import (BatchLayout, GlobalOrderSampler, SeededSamples, ShardedEvalSampler, SyntheticImages,
+                           epoch_order, make_loader)
+
+
+def epoch_samples(num_samples: int, layout: BatchLayout, seed: int, epoch: int) -> list[list[list[int]]]:
+    """Per rank, the micro-batches of one epoch."""
+    out = []
+    for rank in range(layout.world_size):
+        sampler = GlobalOrderSampler(num_samples, layout, rank, seed)
+        sampler.set_position(epoch, 0)
+        batches = list(sampler)
+        assert len(batches) == len(sampler)
+        assert all(e == epoch for batch in batches for e, _ in batch)
+        out.append([[i for _, i in batch] for batch in batches])
+    return out
+
+
+@pytest.mark.parametrize("num_samples", [96, 101])
+@pytest.mark.parametrize("world_size,accum", [(1, 1), (2, 1), (2, 3), (3, 2)])
+def test_ranks_partition_each_epoch_up_to_drop_last(num_samples: int, world_size: int, accum: int):
+    layout = BatchLayout(micro_batch_size=4, world_size=world_size, grad_accum_steps=accum)
+    steps = num_samples // layout.global_batch_size
+    for epoch in range(3):
+        per_rank = epoch_samples(num_samples, layout, seed=7, epoch=epoch)
+        seen = [i for batches in per_rank for batch in batches for i in batch]
+        assert all(len(batch) == 4 for batches in per_rank for batch in batches)
+        assert len(seen) == len(set(seen)) == steps * layout.global_batch_size, "a sample was read twice"
+        # What is dropped is documented: the tail of the epoch's order that does not fill a global batch.
+        order = epoch_order(num_samples, 7, epoch).tolist()
+        assert set(seen) == set(order[:steps * layout.global_batch_size])
+        assert num_samples - len(seen) == num_samples % layout.global_batch_size
+
+
+def test_order_changes_between_epochs_and_repeats_for_the_same_seed():
+    layout = BatchLayout(micro_batch_size=8, world_size=2, grad_accum_steps=1)
+    epoch0, epoch1 = epoch_samples(64, layout, 3, 0), epoch_samples(64, layout, 3, 1)
+    assert epoch0 != epoch1
+    assert sorted(i for b in epoch0[0] + epoch0[1] for i in b) == sorted(i for b in epoch1[0] + epoch1[1] for i in b)
+    assert epoch_samples(64, layout, 3, 0) == epoch0
+    assert epoch_samples(64, layout, 4, 0) != epoch0
+    assert epoch_order(64, 3, 0).tolist() != list(range(64)), "epoch 0 must be shuffled too"
+
+
+def test_global_order_is_the_same_at_every_world_size():
+    """Step s takes the same global samples whether 1 process or 4 processes x 2 micro-steps read them."""
+    one = epoch_samples(64, BatchLayout(16, 1, 1), 5, 2)[0]
+    four = epoch_samples(64, BatchLayout(2, 4, 2), 5, 2)
+    for step, batch in enumerate(one):
+        # micro-step m, rank r reads chunk m * world + r of the step's global batch
+        split = [i for micro in range(2) for rank in range(4) for i in four[rank][step * 2 + micro]]
+        assert split == batch
+
+
+def test_resuming_mid_epoch_continues_the_same_order():
+    layout = BatchLayout(4, 2, 1)
+    sampler = GlobalOrderSampler(40, layout, rank=1, seed=9)
+    sampler.set_position(1, 0)
+    whole = list(sampler)
+    sampler.set_position(1, 3 * layout.global_batch_size)
+    assert list(sampler) == whole[3:]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_eval_sampler_covers_every_sample_exactly_once(world_size: int):
+    counts = Counter(i for rank in range(world_size)
+                     for batch in ShardedEvalSampler(61, 8, rank, world_size) for _, i in batch)
+    assert sorted(counts) == list(range(61))
+    assert set(counts.values()) == {1}
+
+
+def test_synthetic_images_are_deterministic_and_learnable():
+    ds = SyntheticImages(200, num_classes=10, channels=3, image_size=8, seed=1)
+    image, label = ds[17]
+    again, label_again = SyntheticImages(200, 10, 3, 8, seed=1)[17]
+    assert torch.equal(image, again) and label == label_again
+    assert not torch.equal(SyntheticImages(200, 10, 3, 8, seed=2)[17][0], image)
+    # The label is a function of the image: the prototype it correlates with most.
+    for i in range(0, 200, 20):
+        x, y = ds[i]
+        assert y == int(torch.einsum("chw,kchw->k", x, ds.prototypes).argmax())
+    labels = Counter(ds[i][1] for i in range(200))
+    assert len(labels) == 10 and max(labels.values()) < 60, labels
+    with pytest.raises(IndexError):
+        ds[200]
+
+
+class JitterDataset(Dataset):
+    """Augmentation drawn from the global RNGs, as plug-in datasets commonly do."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int):
+        return torch.tensor([torch.rand(()).item(), float(np.random.rand()), random.random()]), index
+
+
+def test_augmentation_is_a_function_of_the_sample_not_of_the_reader():
+    seeded = SeededSamples(JitterDataset(), seed=11)
+    first = seeded[(3, 5)][1]
+    torch.manual_seed(123)  # whatever the caller's RNG state ...
+    state = torch.get_rng_state()
+    assert torch.equal(seeded[(3, 5)][1], first)  # ... the sample is the same
+    assert torch.equal(torch.get_rng_state(), state), "reading a sample moved the training RNG"
+    assert not torch.equal(seeded[(4, 5)][1], first), "a new epoch must draw new augmentation"
+    assert not torch.equal(seeded[(3, 6)][1], first)
+
+
+def test_loader_workers_read_the_same_samples_as_the_main_process():
+    layout = BatchLayout(4, 1, 1)
+    read = {}
+    for workers in (0, 2):
+        cfg = TrainConfig(num_workers=workers)
+        sampler = GlobalOrderSampler(16, layout, 0, seed=11)
+        loader = make_loader(JitterDataset(), sampler, cfg, torch.device("cpu"), seed=workers)
+        read[workers] = [(ids.tolist(), inputs) for ids, inputs, _ in loader]
+    assert [ids for ids, _ in read[0]] == [ids for ids, _ in read[2]]
+    for (_, a), (_, b) in zip(read[0], read[2]):
+        assert torch.equal(a, b)
+
+
+# --- what a real 2-process run read ---------------------------------------------------------------
+
+def recorded(run_dir: Path, rank: int) -> dict[tuple[int, int], list[int]]:
+    return {(r["step"], r["micro"]): r["ids"] for r in read_jsonl(run_dir / "samples" / f"rank-{rank}.jsonl")}
+
+
+def test_two_process_run_partitions_each_epoch(tmp_path_factory):
+    pair, single = runs.pair(tmp_path_factory), runs.single(tmp_path_factory)
+    rank0, rank1 = recorded(pair, 0), recorded(pair, 1)
+    assert not (pair / "samples" / "rank-2.jsonl").exists()
+    steps = runs.STEPS_PER_EPOCH
+    used = steps * runs.GLOBAL_BATCH
+    epochs = []
+    for epoch in range(runs.EPOCHS):
+        keys = [(step, 0) for step in range(epoch * steps + 1, (epoch + 1) * steps + 1)]
+        ids = [i for key in keys for rank in (rank0, rank1) for i in rank[key]]
+        assert len(ids) == len(set(ids)) == used, "a sample was read twice in one epoch"
+        assert set(ids) == set(epoch_order(runs.NUM_TRAIN, 42, epoch)[:used].tolist())
+        epochs.append(ids)
+    assert epochs[0] != epochs[1], "the order must change between epochs"
+    # The same seed on one process read the very same global batches in the same order.
+    one = recorded(single, 0)
+    assert sorted(one) == sorted(rank0) == sorted(rank1)
+    for key, batch in one.items():
+        assert batch == rank0[key] + rank1[key]

@@ -1,0 +1,61 @@
+"""What a newcomer runs first: the quickstart job, the entry points, and the worked plug-in example."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import REPO, cli_env, metrics, run_cli, weights
+from ddptrain.config import load_toml
+
+CHANCE = 0.1  # 10 classes
+
+
+def test_quickstart_learns_well_above_chance(tmp_path: Path):
+    """configs/quickstart.toml as `make run` trains it (2 processes from the file's nproc), on less data."""
+    run_dir = tmp_path / "quickstart"
+    assert load_toml(str(REPO / "configs" / "quickstart.toml"))["nproc"] == 2
+    proc = run_cli(["train", "--config", "configs/quickstart.toml", "--run_dir", str(run_dir),
+                    "--dataset_size", "2048", "--eval_size", "500", "--epochs", "2", "--no-progress"])
+    assert proc.returncode == 0, proc.stderr
+    final = metrics(run_dir, "eval")[-1]
+    assert final["samples"] == 500
+    assert final["accuracy"] > 3 * CHANCE, final
+    # The end of the output says where everything is.
+    done = [line for line in proc.stdout.splitlines() if "done:" in line][-1]
+    for where in (str(run_dir), str(run_dir / "metrics.jsonl"), str(run_dir / "model.safetensors")):
+        assert where in done, done
+    for path in ("config.toml", "model.safetensors", "logs/rank-0.log", "logs/rank-1.log"):
+        assert (run_dir / path).is_file(), path
+    for row in metrics(run_dir):
+        assert {"time", "step", "epoch", "split", "loss"} <= row.keys()
+        assert {"lr", "samples_per_sec"} <= row.keys() if row["split"] == "train" else "accuracy" in row
+
+
+def test_console_script_trains_the_worked_plugin_example(tmp_path: Path):
+    """`ddptrain` (the console script, run from the repo root) with examples/custom_plugin.py."""
+    run_dir = tmp_path / "plugin"
+    script = Path(sys.executable).with_name("ddptrain")
+    assert script.is_file(), "pip install -e . must install the `ddptrain` command"
+    env = cli_env()
+    env.pop("PYTHONPATH")  # as a user runs it: only the current directory makes `examples` importable
+    proc = subprocess.run(
+        [str(script), "train", "--model", "examples.custom_plugin:model",
+         "--dataset", "examples.custom_plugin:dataset", "--num_classes", "4", "--width", "16",
+         "--dataset_size", "512", "--eval_size", "128", "--epochs", "2", "--num_workers", "0",
+         "--log_interval", "4", "--no-progress", "--run_dir", str(run_dir)],
+        capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    final = metrics(run_dir, "eval")[-1]
+    assert final["samples"] == 128
+    assert final["accuracy"] > 0.6, final  # chance is 0.25
+    assert any(key.startswith("features.") for key in weights(run_dir / "model.safetensors"))
+
+
+def test_python_dash_m_and_the_console_script_are_the_same_command():
+    script = Path(sys.executable).with_name("ddptrain")
+    by_module = run_cli(["--help"])
+    by_script = subprocess.run([str(script), "--help"], capture_output=True, text=True, env=cli_env(), cwd=REPO)
+    assert by_module.returncode == by_script.returncode == 0
+    assert by_module.stdout == by_script.stdout and "train" in by_module.stdout

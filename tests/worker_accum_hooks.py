@@ -1,0 +1,64 @@
+"""A training worker that trains with the real Trainer while counting DDP's gradient communication.
+
+Run under torchrun with 2 processes:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/worker_accum_hooks.py OUT.json \
+        [ddptrain train flags]
+
+It registers a communication hook on the trainer's DDP wrapper (the stock all-reduce, plus a counter) and
+runs `Trainer.fit()` unchanged. The train loader is wrapped only to count the micro-batches taken, so
+each hook call can be attributed to the micro-step whose backward pass triggered it. Rank 0 writes OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from ddptrain.config import resolve_config
+from ddptrain.distributed import distributed
+from ddptrain.trainer import Trainer
+
+
+class CountingLoader:
+    """Yields what the real loader yields; `taken` is the number of micro-batches handed out so far."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.taken = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            self.taken += 1
+            yield batch
+
+
+def main(argv: list[str]) -> None:
+    out, cfg = Path(argv[0]), resolve_config(argv[1:])
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx:
+        trainer = Trainer(cfg, ctx, run_dir)
+        counter = CountingLoader(trainer.train_loader)
+        trainer.train_loader = counter
+        micro_of_call: list[int] = []  # for each hook call: index (from 0) of the micro-batch being trained
+
+        def counting_allreduce(state, bucket):
+            micro_of_call.append(counter.taken - 1)
+            return default_hooks.allreduce_hook(state, bucket)
+
+        trainer.ddp.register_comm_hook(None, counting_allreduce)
+        summary = trainer.fit()
+        if ctx.is_main:
+            out.write_text(json.dumps({"world_size": ctx.world_size, "micro_batches": counter.taken,
+                                       "steps": summary["step"], "hook_calls": micro_of_call}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
