@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+import socket
+import subprocess
+import sys
 
 import pytest
-from helpers import one_line_error, run_cli
+from helpers import cli_env, one_line_error, run_cli
 
 from ddptrain import doctor
 
@@ -88,3 +91,19 @@ def test_code_hash_is_stable_and_short():
 ])
 def test_usage_errors_are_one_line(args, env, names):
     assert names in one_line_error(run_cli(["doctor", *args], env=env))
+
+
+def test_runs_under_srun_starting_the_tasks_directly(tmp_path):
+    """srun without torchrun: each task has only SLURM's variables plus the exported MASTER_ADDR/PORT."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tasks = [subprocess.Popen([sys.executable, "-m", "ddptrain", "doctor", "--run_dir", str(tmp_path), "--max_mb",
+                               "0.01", "--iters", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=cli_env({"SLURM_NTASKS": "2", "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task),
+                                           "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
+                                           "MASTER_PORT": str(port)}))
+             for task in (0, 1)]
+    outputs = [task.communicate(timeout=120)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs
+    assert "2 rank(s)" in outputs[0] and "healthy" in outputs[0], outputs[0]

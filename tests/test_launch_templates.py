@@ -126,6 +126,18 @@ def test_launch_bad_environment_is_one_line(env, names):
     assert len(proc.stderr.strip().splitlines()) == 1 and names in proc.stderr, proc.stderr
 
 
+def test_srun_tasks_without_torchrun_map_slurm_variables():
+    from ddptrain.distributed import read_launch_env
+
+    env = read_launch_env({"SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+                           "SLURM_NTASKS_PER_NODE": "2(x2)", "MASTER_ADDR": "node-a", "MASTER_PORT": "29500"})
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size, env.launched) == (3, 1, 4, 2, True)
+    # Under torchrun inside an srun task, torchrun's RANK wins over SLURM's variables.
+    env = read_launch_env({"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "RANK": "5", "WORLD_SIZE": "8",
+                           "LOCAL_RANK": "1", "MASTER_ADDR": "node-a", "MASTER_PORT": "29500"})
+    assert (env.rank, env.world_size) == (5, 8)
+
+
 # --- slurm.sbatch --------------------------------------------------------------------------------
 
 def test_sbatch_environment_per_node(tmp_path):

@@ -97,3 +97,27 @@ def peers_named_in(text: str, addrs: list[str], own_addr: str) -> dict[str, list
         if ranks and addr != own_addr:
             named[addr] = ranks
     return named
+
+
+def lost_peers_note(text: str, hosts: list[str], addrs: list[str], own_addr: str) -> str:
+    """'; lost rank 2, 3 on host b (10.0.0.2): ...' for each other node an error message names, else ''."""
+    named = peers_named_in(text, addrs, own_addr)
+    return "".join(f"; lost rank {', '.join(map(str, ranks))} on host {hosts[ranks[0]]} ({addr}): that node's "
+                   "processes died or its network failed" for addr, ranks in named.items())
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'ranks 0-3', 'ranks 0, 2', 'rank 5'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return f"ranks {', '.join(map(str, ranks))}"
+
+
+def describe_hosts(hosts: list[str], addrs: list[str]) -> str:
+    """'a (10.0.0.1): ranks 0-1 · a (10.0.0.2): ranks 2-3' — hosts may share a name, never an address."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for rank, key in enumerate(zip(hosts, addrs)):
+        groups.setdefault(key, []).append(rank)
+    return " · ".join(f"{host} ({addr}): {_ranks(ranks)}" for (host, addr), ranks in groups.items())
