@@ -25,6 +25,7 @@ import re
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -182,11 +183,18 @@ def _read_verified(path: Path, entry: dict[str, Any]) -> bytes:
 
 
 def _safe_torch_load(data: bytes, name: str, device: torch.device) -> Any:
+    """torch.load restricted to tensors and plain containers: a pickle that names any other callable is
+    refused before anything runs."""
     try:
-        return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # protocol notes from the restricted unpickler are not news
+            return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
     except Exception as exc:  # UnpicklingError for a hostile or foreign pickle, and any decode error
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{name} refused by the safe loader: {first_line}") from None
+        text = str(exc)
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        why = (f"it references {found.group(1)}, which a checkpoint never needs" if found
+               else (text.strip().splitlines() or [type(exc).__name__])[0])
+        raise CheckpointError(f"{name} refused by the safe loader: {why}") from None
 
 
 def read_checkpoint(path: Path, device: torch.device) -> Loaded:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -33,7 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handlers[command](rest)
     except UsageError as exc:
-        print(f"ddptrain: error: {exc}", file=sys.stderr)
+        if os.environ.get("DDPTRAIN_LOCAL_LAUNCH") and os.environ.get("TORCHELASTIC_ERROR_FILE"):  # launch.py
+            from ddptrain.observe.watchdog import record_for_launcher
+
+            record_for_launcher(exc)  # a worker of `--nproc`: the launcher prints each distinct error once
+        else:
+            print(f"ddptrain: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except Preempted:
         return EXIT_PREEMPTED
@@ -52,27 +58,39 @@ def _lazy(module: str):
 
 def cmd_train(argv: list[str]) -> int:
     from ddptrain.config import resolve_config
-    from ddptrain.distributed import read_launch_env
 
     cfg = resolve_config(argv)
+    from ddptrain.distributed import read_launch_env  # imports torch (~3 s): only after the flags are good
+
     env = read_launch_env()
-    if cfg.nproc:
-        if env.launched:
+    if env.launched:
+        # nproc / max_restarts configure the local launcher. A config file's values do not apply to a worker,
+        # but asking a worker for them on the command line is a mistake worth naming.
+        if cfg.nproc and any(a == "--nproc" or a.startswith("--nproc=") for a in argv):
             raise UsageError("--nproc starts local workers, but this process is already a worker of a launcher "
                              "(RANK is set); drop --nproc and use the launcher's --nproc-per-node")
-        from ddptrain.launch import launch_local, strip_flag
+        return run_worker(cfg)
+    if cfg.nproc:
+        from ddptrain import config as config_mod
+        from ddptrain.checkpoint import write_atomic
+        from ddptrain.launch import LOCAL_LAUNCH_ENV, launch_local, strip_flag
 
-        # Workers get `--nproc 0` so that an nproc from the config file does not make them launch again.
-        worker_argv = strip_flag(strip_flag(argv, "--nproc"), "--max_restarts") + ["--nproc", "0"]
-        return launch_local("train", worker_argv, cfg.nproc, cfg.max_restarts, Path(cfg.run_dir))
+        run_dir = Path(cfg.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / "config.toml", config_mod.to_toml(cfg).encode())  # with the launch settings
+        os.environ[LOCAL_LAUNCH_ENV] = "1"
+        worker_argv = strip_flag(strip_flag(argv, "--nproc"), "--max_restarts")
+        return launch_local("train", worker_argv, cfg.nproc, cfg.max_restarts, run_dir)
     return run_worker(cfg)
 
 
 def run_worker(cfg) -> int:
     """One training process: set up the process group, train, and turn failures into exit codes."""
     import ddptrain.config as config_mod
+    from ddptrain import netinfo
     from ddptrain.checkpoint import write_atomic
     from ddptrain.distributed import distributed
+    from ddptrain.launch import LOCAL_LAUNCH_ENV
     from ddptrain.observe.log import setup_logging
     from ddptrain.observe.watchdog import record_for_launcher
     from ddptrain.trainer import Trainer
@@ -81,10 +99,13 @@ def run_worker(cfg) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     with distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx:
         log = setup_logging(run_dir, ctx.rank, ctx.world_size, ctx.host)
+        log.debug("address %s on interface %s, device %s", ctx.addr, ctx.interface, ctx.device)
+        if ctx.is_main and ctx.world_size > 1:
+            log.info("ranks by host: %s", netinfo.describe_hosts(ctx.hosts, ctx.addrs))
         step = "startup"
         trainer = None
         try:
-            if ctx.is_main:
+            if ctx.is_main and not os.environ.get(LOCAL_LAUNCH_ENV):  # else the launcher wrote it
                 write_atomic(run_dir / "config.toml", config_mod.to_toml(cfg).encode())
                 log.info("run dir %s · world size %d · backend %s · device %s", run_dir, ctx.world_size,
                          ctx.backend, ctx.device)
@@ -98,6 +119,7 @@ def run_worker(cfg) -> int:
             log.error("failed at step %s:\n%s", step, traceback.format_exc())
             sys.stderr.write(traceback.format_exc())
             sys.stderr.write(f"ddptrain: rank {ctx.rank} on host {ctx.host} failed at step {step}: "
-                             f"{type(exc).__name__}: {exc}\n")
+                             f"{type(exc).__name__}: {exc}"
+                             f"{netinfo.lost_peers_note(str(exc), ctx.hosts, ctx.addrs, ctx.addr)}\n")
             record_for_launcher(exc)
             return EXIT_FAILURE

@@ -42,8 +42,8 @@ class TrainConfig:
     dataset_size: int = opt(10000, "training samples of the synthetic dataset", min=1, group="model and data")
     eval_size: int = opt(1000, "eval samples of the synthetic dataset (0 = no eval split)", min=0,
                          group="model and data")
-    width: int = opt(64, "MiniResNet base width; stages use width, 2*width, 4*width channels", min=1,
-                     group="model and data")
+    width: int = opt(64, "model width: MiniResNet stages use width, 2*width, 4*width channels; mlp's hidden "
+                     "size", min=1, group="model and data")
     norm: str = opt("batch", "MiniResNet normalisation layer", choices=("batch", "group", "none"),
                     group="model and data")
     sync_batchnorm: bool = opt(False, "convert BatchNorm to SyncBatchNorm (CUDA only)", group="model and data")
@@ -161,6 +161,14 @@ class TrainConfig:
         if self.enable_profiling and self.profile_active < 1:
             raise UsageError("--profile_active must be >= 1")
         _check_inject_fault(self.inject_fault)
+        if self.tensorboard:
+            from ddptrain.observe.metrics import require_tensorboard
+
+            require_tensorboard()
+        if self.dataset in BUILTIN_DATASETS and self.dataset != "synthetic":
+            from ddptrain import formats  # files present and well-formed, flags agree with the data
+
+            formats.check(self)
         for flag in ("model", "dataset"):
             name = getattr(self, flag)
             if ":" in name:

@@ -10,7 +10,9 @@ exactly the samples the uninterrupted run would have seen. Random augmentation i
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -203,6 +205,12 @@ def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
 
 
 def _worker_init(worker_id: int) -> None:
+    # Preemption signals are for the training process, which checkpoints and then shuts its loader workers
+    # down; they must not kill the workers first. torchelastic signals each worker's whole process group
+    # (so leave it) and SLURM's --signal reaches every process of the step (so ignore SIGUSR1). The
+    # loader still stops its workers directly, and they exit by themselves if the trainer dies.
+    os.setpgrp()
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # Workers get distinct torch seeds from the loader; numpy and random must follow them explicitly.
     seed = torch.initial_seed()
     np.random.seed(seed & 0xFFFFFFFF)

@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from ddptrain import netinfo
 from ddptrain.errors import UsageError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -38,12 +39,13 @@ def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     """
     env = os.environ if environ is None else environ
     present = [v for v in TORCHRUN_VARS if v in env]
-    if present and len(present) < len(TORCHRUN_VARS):
+    # srun started one task per device directly (no torchrun): SLURM's variables and MASTER_ADDR/PORT only.
+    srun_tasks = "RANK" not in env and int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env
+    if present and len(present) < len(TORCHRUN_VARS) and not srun_tasks:
         missing = [v for v in TORCHRUN_VARS if v not in env]
         raise UsageError(f"launcher environment is half-set: {', '.join(present)} set but {', '.join(missing)} "
                          "missing; start workers with torchrun / scripts/launch.sh, or unset them")
-    if not present and int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        # srun started one task per device directly (no torchrun): map SLURM's variables.
+    if srun_tasks:
         if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
             raise UsageError("srun started several tasks but MASTER_ADDR/MASTER_PORT are unset; "
                              "export them (scripts/slurm.sbatch does) or launch through torchrun")
@@ -82,6 +84,9 @@ class DistributedContext:
     host: str
     control_group: dist.ProcessGroup | None = None  # gloo: small CPU messages (flags, timings)
     hosts: list[str] = field(default_factory=list)  # host of each rank, gathered once
+    addr: str = ""  # the address this rank uses for the job (tells apart hosts that share a name)
+    interface: str = ""  # the network interface of `addr`
+    addrs: list[str] = field(default_factory=list)  # address of each rank, gathered with the hosts
 
     @property
     def is_main(self) -> bool:
@@ -172,6 +177,8 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
         kwargs["device_id"] = device
     if not env.launched:
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    else:  # explicit: under srun there is no RANK / WORLD_SIZE for env:// to read
+        kwargs.update(rank=env.rank, world_size=env.world_size)
     dist.init_process_group(**kwargs)
     failed = False
     try:
@@ -179,9 +186,11 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
         ctx = DistributedContext(rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
                                  local_world_size=env.local_world_size, backend=backend, device=device,
                                  host=socket.gethostname(), control_group=control)
-        hosts: list[str] = [""] * env.world_size
-        dist.all_gather_object(hosts, ctx.host, group=control)
-        ctx.hosts = hosts
+        ctx.addr, ctx.interface = netinfo.job_address()
+        peers: list[tuple[str, str]] = [("", "")] * env.world_size
+        dist.all_gather_object(peers, (ctx.host, ctx.addr), group=control)
+        ctx.hosts = [host for host, _ in peers]
+        ctx.addrs = [addr for _, addr in peers]
         yield ctx
     except BaseException:
         failed = True

@@ -55,16 +55,19 @@ class FaultSpec:
         if unknown:
             raise UsageError(f"{source}: unknown key(s) {', '.join(sorted(unknown))}; "
                              "use rank, step, kind, micro, at, restart")
-        if "kind" not in fields or fields["kind"] not in KINDS:
+        ints = {}
+        for key in ("rank", "step", "micro", "restart"):
+            if key in fields:
+                try:
+                    ints[key] = int(fields[key])
+                except ValueError:
+                    raise UsageError(f"{source}: {key}={fields[key]!r} is not an integer") from None
+        if "rank" not in ints or "step" not in ints:
+            raise UsageError(f"{source}: rank= and step= are required")
+        if fields.get("kind") not in KINDS:
             raise UsageError(f"{source}: kind must be one of {', '.join(KINDS)}")
         if fields.get("at", "step") not in PLACES:
             raise UsageError(f"{source}: at must be one of {', '.join(PLACES)}")
-        try:
-            ints = {k: int(fields[k]) for k in ("rank", "step", "micro", "restart") if k in fields}
-        except ValueError:
-            raise UsageError(f"{source}: rank, step, micro and restart are integers") from None
-        if "rank" not in ints or "step" not in ints:
-            raise UsageError(f"{source}: rank= and step= are required")
         return cls(kind=fields["kind"], at=fields.get("at", "step"), **ints)
 
 

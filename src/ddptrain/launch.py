@@ -8,6 +8,7 @@ agent restarts all workers (`--max_restarts`), and they resume from the newest c
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -19,6 +20,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE
+
+LOCAL_LAUNCH_ENV = "DDPTRAIN_LOCAL_LAUNCH"  # set for workers of `--nproc`: the launcher reports their errors
 
 # The agent forwards these to the workers, which checkpoint and exit; SIGUSR1 is SLURM's --signal.
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -47,9 +50,14 @@ def launch_local(command: str, argv: list[str], nproc: int, max_restarts: int, r
         signals_to_handle=FORWARDED_SIGNALS,
         shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "60")),  # grace to checkpoint
     )
+    # With the agent's store shared across restart rounds, restarted workers can read the previous round's
+    # peer addresses and fail to connect (pytorch/pytorch#135712, #167288): give every round a fresh store.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     started = time.time()
+    if "LOGLEVEL" not in os.environ:  # the user asked for the agent's own logs: keep them all
+        quiet_agent_logs()
     try:
         elastic_launch(config, sys.executable)("-m", "ddptrain", command, *argv)
         return 0
@@ -65,12 +73,55 @@ def launch_local(command: str, argv: list[str], nproc: int, max_restarts: int, r
         return 128 + int(exc.sigval)
 
 
+class _AgentNoise(logging.Filter):
+    """Keep the agent's restart notices; drop its per-process chatter, which ddptrain's one line replaces."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "attempts left" in record.getMessage() or record.levelno >= logging.CRITICAL
+
+
+def quiet_agent_logs() -> None:
+    noise = _AgentNoise()
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api",
+                 "torch.distributed.elastic.agent.server.local_elastic_agent"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        if not any(isinstance(f, _AgentNoise) for f in logger.filters):
+            logger.addFilter(noise)
+
+
 def _preempted_since(run_dir: Path | None, started: float) -> dict | None:
     marker = run_dir / "PREEMPTED" if run_dir else None
     if marker is None or not marker.is_file():
         return None
     data = json.loads(marker.read_text())
     return data if data.get("time", 0) >= started else None
+
+
+# Errors of a rank that lost a peer: the consequence of another rank's failure, not its cause.
+PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                     "NCCL communicator was aborted", "remote process exited")
+
+
+def _failure_text(failure) -> str:
+    """The error message a worker recorded (a dict when written by torch's ErrorHandler)."""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", json.dumps(message))
+    return message
+
+
+def _root_cause(exc: ChildFailedError):
+    """(rank, failure) that started the failure.
+
+    torch picks the earliest whole-second timestamp, so a rank that lost its peer in the same second as the
+    peer's own error (or a peer killed without an error file) can be named instead; errors that only say a
+    peer went away rank after the others.
+    """
+    def lost_a_peer(item) -> bool:
+        return any(marker in _failure_text(item[1]) for marker in PEER_LOSS_MARKERS)
+
+    return min(exc.failures.items(), key=lambda item: (lost_a_peer(item), item[1].timestamp, item[0]))
 
 
 def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float) -> int:
@@ -82,9 +133,14 @@ def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float)
               "(run the same command to resume)", file=sys.stderr)
         return EXIT_PREEMPTED
     if EXIT_USAGE in codes:
-        return EXIT_USAGE  # the workers already printed their one line
-    rank, failure = exc.get_first_failure()
-    message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
+        # Every worker hit the same bad input: say it once.
+        messages = dict.fromkeys(_failure_text(f).removeprefix("UsageError: ").strip()
+                                 for f in exc.failures.values() if f.exitcode == EXIT_USAGE)
+        for message in messages:
+            print(f"ddptrain: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    rank, failure = _root_cause(exc)
+    message = _failure_text(failure)
     message = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}"
     if failure.exitcode < 0:
         message = f"killed by signal {-failure.exitcode}"

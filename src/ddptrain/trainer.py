@@ -157,6 +157,8 @@ class Trainer:
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.module = model
+        # Counted before the per-rank RNG streams start: reading a sample may draw augmentation randomness.
+        self.flops_per_sample = self._count_flops(train_ds) if ctx.is_main else 0.0
         self.ddp: DDP | None = None
         self.model: nn.Module = model
         if ctx.world_size > 1:
@@ -166,6 +168,11 @@ class Trainer:
             self.model = self.ddp
         if cfg.compile:
             self.model = torch.compile(self.model)
+        self._module_started: Any = None
+        if self.ddp is not None and not cfg.compile:
+            # DDP broadcasts buffers (BatchNorm statistics) before the module runs, which waits for late
+            # ranks: the straggler statistic times the module's own forward, from this hook on.
+            model.register_forward_pre_hook(self._module_forward_started)
         self.params = [p for p in model.parameters() if p.requires_grad]
 
         # Optimizer and schedule. The linear scaling rule is opt-in: lr * global batch / base batch.
@@ -196,7 +203,6 @@ class Trainer:
         self.signals = StopSignals()
         self.clock = Clock(device)
         self.sinks = MetricSinks(run_dir, cfg.tensorboard) if ctx.is_main else None
-        self.flops_per_sample = self._count_flops(train_ds) if ctx.is_main else 0.0
         self.peak_tflops = cfg.peak_tflops or perf.known_peak_tflops(device)
         self._reset_window()
         self._straggler_streak: dict[int, int] = {}
@@ -215,6 +221,9 @@ class Trainer:
         started = time.perf_counter()
         self._resume()
         last_eval: dict[str, float] = {}
+        if pos.step >= self.total_steps or pos.epoch >= cfg.epochs:
+            log.info("run already complete at step %d in %s; nothing to train (use another --run_dir, or "
+                     "--no-auto_resume to start over)", pos.step, self.run_dir)
         bar = ProgressBar(cfg.progress and self.ctx.is_main, self.total_steps, initial=pos.step)
         with self.signals, self.watchdog, self.profiler:
             # Each pass of this loop is (the rest of) one epoch: the sampler resumes at the cursor.
@@ -246,6 +255,7 @@ class Trainer:
                 self._log_train(bar)
             if not last_eval or last_eval["step"] != pos.step:
                 last_eval = self.evaluate()
+            self._check_replicas()
             self.save()
             self.checkpoints.wait()
         bar.close()
@@ -266,8 +276,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         spans = []
         for micro in range(accum):
-            self.injector.at_micro_step(step, micro)
             wd.phase("data", step)
+            self.injector.at_micro_step(step, micro)  # after the phase: an injected hang reads as a data stall
             waited = time.perf_counter()
             ids, inputs, targets = next(batches)
             self._data_wait += time.perf_counter() - waited
@@ -286,13 +296,18 @@ class Trainer:
                 with self.profiler.region("forward"), torch.autocast(self.ctx.device.type, self.amp_dtype,
                                                                        enabled=cfg.use_amp):
                     loss = F.cross_entropy(self.model(inputs), targets)
+                own_start = self._module_started if self._module_started is not None else start
+                spans.append(("forward", own_start, self.clock.now()))  # this rank's own work, no waiting
                 if self.injector.poison_loss(step):
                     loss = loss + float("nan")
                 finite = torch.isfinite(loss.detach())
                 self._win_loss += torch.where(finite, loss.detach().double(), 0.0)
                 self._win_count += finite.double()
                 self._win_bad_loss += (~finite).double()
-                scaled = loss / accum
+                # A non-finite loss on one rank must stop the update on every rank. Multiplying by NaN
+                # poisons this rank's gradients, and DDP's all-reduce carries that into the global norm
+                # checked below: the same decision everywhere, with no extra collective.
+                scaled = loss * torch.where(finite, 1.0 / accum, torch.nan)
                 with self.profiler.region("backward"):
                     (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             spans.append(("fwd_bwd", start, self.clock.now()))
@@ -324,6 +339,9 @@ class Trainer:
         spans.append(("optimizer", start, self.clock.now()))
         self._spans.append(spans)
         self._window_steps += 1
+
+    def _module_forward_started(self, module: nn.Module, args: Any) -> None:
+        self._module_started = self.clock.now()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -470,12 +488,13 @@ class Trainer:
         bad_steps = [window_base + i + 1 for i, flag in enumerate(self._win_bad_steps.tolist()) if flag]
         elapsed = time.perf_counter() - self._window_started
         steps = self._window_steps
-        breakdown = {"fwd_bwd": 0.0, "optimizer": 0.0}
+        breakdown = {"fwd_bwd": 0.0, "optimizer": 0.0, "forward": 0.0}
         for spans in self._spans:
             for name, start, end in spans:
                 breakdown[name] += self.clock.seconds(start, end)
         # Per-rank timing for straggler detection: step time and data wait, gathered on the control group.
-        per_rank = ctx.gather_floats([elapsed / max(steps, 1), self._data_wait / max(steps, 1)])
+        own = (self._data_wait + breakdown["forward"]) / max(steps, 1)
+        per_rank = ctx.gather_floats([elapsed / max(steps, 1), self._data_wait / max(steps, 1), own])
         if bad_steps or bad_loss:
             self._report_nonfinite(bad_steps)
         if ctx.is_main:
@@ -506,18 +525,28 @@ class Trainer:
         self._reset_window()
 
     def _straggler_fields(self, per_rank: list[list[float]]) -> dict[str, Any]:
-        times = [t for t, _ in per_rank]
-        slowest = max(range(len(times)), key=times.__getitem__)
-        median = float(np.median(times))
-        skew = times[slowest] / median if median > 0 else 1.0
-        for rank in range(len(times)):
+        """Slowest rank, its host and the skew (max/median) of the ranks' own time per step.
+
+        In synchronous DDP every rank's step takes the same wall time: the fast ranks wait for the slow one
+        inside the gradient all-reduce. So a straggler is found by its own time, data wait + forward, which
+        no collective pads.
+        """
+        times = [t for t, _, _ in per_rank]
+        own = [o for _, _, o in per_rank]
+        slowest = max(range(len(own)), key=own.__getitem__)
+        median = float(np.median(own))
+        skew = own[slowest] / median if median > 0 else 1.0
+        for rank in range(len(own)):
             streak = self._straggler_streak.get(rank, 0)
-            self._straggler_streak[rank] = streak + 1 if times[rank] >= self.cfg.straggler_skew * median else 0
+            self._straggler_streak[rank] = streak + 1 if own[rank] >= self.cfg.straggler_skew * median else 0
         if self._straggler_streak.get(slowest, 0) == 3:
-            log.warning("straggler: rank %d on host %s has been %.2fx the median step time for 3 log intervals",
-                        slowest, self.ctx.hosts[slowest], skew)
+            log.warning("straggler: rank %d on host %s (%s) has been %.2fx the median time of data wait + "
+                        "forward for 3 log intervals", slowest, self.ctx.hosts[slowest], self.ctx.addrs[slowest],
+                        skew)
         return {"slowest_rank": slowest, "slowest_host": self.ctx.hosts[slowest], "step_time_skew": skew,
-                "data_wait_max_s": max(w for _, w in per_rank)}
+                "data_wait_max_s": max(w for _, w, _ in per_rank),
+                "step_time_s_by_rank": [round(t, 6) for t in times],
+                "data_wait_s_by_rank": [round(w, 6) for _, w, _ in per_rank]}
 
     def _report_nonfinite(self, bad_steps: list[int]) -> None:
         """Name the steps and the ranks whose own loss was non-finite. All ranks (a small gather)."""
@@ -535,6 +564,27 @@ class Trainer:
                             f"{ranks or 'none'}); stopping as --on_nonfinite stop asks")
 
     # --- the end ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _check_replicas(self) -> None:
+        """Prove that DDP kept the ranks' parameters bitwise identical (a silent divergence is the worst bug).
+
+        A fingerprint per parameter (sum and sum of squares in float64) is gathered on the control group.
+        Must be called on all ranks.
+        """
+        if self.ctx.world_size == 1:
+            return
+        self.watchdog.phase("replica check")
+        names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        prints = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()])
+                              for p in self.params]).flatten().cpu()
+        gathered = self.ctx.gather_floats(prints.tolist())
+        for rank, theirs in enumerate(gathered[1:], start=1):
+            if theirs != gathered[0]:
+                first = next(i for i, (a, b) in enumerate(zip(theirs, gathered[0])) if a != b) // 2
+                raise TrainingError(f"replicas diverged: rank {rank} ({self.ctx.hosts[rank]}) differs from rank 0 "
+                                    f"in parameter {names[first]}")
+        log.info("replicas identical across %d ranks (%d parameter tensors)", self.ctx.world_size, len(names))
+
     def _count_flops(self, dataset: Any) -> float:
         try:
             sample = dataset[0][0]
@@ -542,7 +592,7 @@ class Trainer:
                 return 0.0
             flops = perf.train_flops_per_sample(self.module, sample.unsqueeze(0).to(self.ctx.device))
             log.info("model: %.3g parameters, %.3g training FLOPs per sample",
-                     sum(p.numel() for p in self.params), flops)
+                     sum(p.numel() for p in self.module.parameters()), flops)
             return flops
         except Exception as exc:  # an exotic plug-in model: MFU is a nicety, never a reason to fail
             log.warning("FLOP count unavailable (%s: %s); no MFU will be reported", type(exc).__name__, exc)

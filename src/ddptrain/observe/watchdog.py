@@ -25,6 +25,16 @@ from ddptrain.errors import EXIT_FAILURE
 
 log = logging.getLogger("ddptrain")
 SLOW_PHASES = ("startup", "checkpoint")  # allowed the startup timeout: first compile, big writes
+# The order phases follow within one step: of two ranks idle in the same step, the one in the earlier phase
+# is behind (in a hang the others wait inside a collective of a later phase).
+PHASE_ORDER = ("startup", "data", "forward/backward", "backward+all-reduce", "optimizer", "log", "sync", "eval",
+               "replica check", "checkpoint")
+
+
+def _progress(step: int, phase: str, idle_s: float) -> tuple[int, int, float]:
+    """Sort key: lower is further behind (earlier step, earlier phase, then idle longer)."""
+    order = PHASE_ORDER.index(phase) if phase in PHASE_ORDER else len(PHASE_ORDER)
+    return step, order, -idle_s
 
 
 class HangError(RuntimeError):
@@ -114,9 +124,9 @@ class Watchdog:
         line = f"hang: {me} made no progress for {idle:.0f} s at step {self.step} (phase {self._phase})"
         peers = self._peers()
         if peers:
-            # The stuck rank is the one furthest behind: lowest step, then longest idle.
-            worst = min(peers, key=lambda p: (p["step"], -p["idle_s"]))
-            if (worst["step"], -worst["idle_s"]) < (self.step, -idle):
+            # The stuck rank is the one furthest behind: lowest step, then earliest phase, then longest idle.
+            worst = min(peers, key=lambda p: _progress(p["step"], p["phase"], p["idle_s"]))
+            if _progress(worst["step"], worst["phase"], worst["idle_s"]) < _progress(self.step, self._phase, idle):
                 line += (f"; rank {worst['rank']} on host {worst['host']} is furthest behind: step "
                          f"{worst['step']}, phase {worst['phase']}, idle {worst['idle_s']:.0f} s")
         return line

@@ -1,0 +1,186 @@
+"""Checkpoints that are damaged, partial or hostile: detected, reported, and never trusted."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from helpers import last_committed, metrics, one_line_error, train
+
+SAVES = ["--save_every_steps", "2", "--keep_last", "0", "--epochs", "1"]
+
+
+@pytest.fixture
+def three_checkpoints(tmp_path) -> Path:
+    """A 1-process run stopped at step 6 with checkpoints at steps 2, 4 and 6."""
+    train(tmp_path, *SAVES, "--max_steps", "6")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-2", "step-4", "step-6"]
+    return tmp_path
+
+
+def rerun(run_dir: Path, *extra: str, check: bool = True):
+    return train(run_dir, *SAVES, "--max_steps", "8", *extra, check=check)
+
+
+def rank0_log(run_dir: Path) -> str:
+    return (run_dir / "logs" / "rank-0.log").read_text()
+
+
+def truncate(ckpt: Path) -> str:
+    path = ckpt / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    return "truncated"
+
+
+def flip_byte(ckpt: Path) -> str:
+    path = ckpt / "optimizer.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    return "sha256"
+
+
+def drop_manifest(ckpt: Path) -> None:
+    (ckpt / "manifest.json").unlink()
+
+
+@pytest.mark.parametrize("damage", [truncate, flip_byte], ids=["truncated-file", "flipped-byte"])
+def test_damaged_newest_checkpoint_falls_back_to_previous(three_checkpoints, damage):
+    run_dir = three_checkpoints
+    expected = damage(run_dir / "checkpoints" / "step-6")
+    rerun(run_dir)
+    log = rank0_log(run_dir)
+    assert f"checkpoint {run_dir / 'checkpoints' / 'step-6'} unusable on rank 0" in log
+    assert expected in log and "falling back to the previous committed one" in log
+    assert f"resuming from {run_dir / 'checkpoints' / 'step-4'} (step 4)" in log
+    assert last_committed(run_dir).name == "step-8"
+
+
+def test_uncommitted_checkpoints_are_ignored_and_replaced(three_checkpoints):
+    run_dir = three_checkpoints
+    drop_manifest(run_dir / "checkpoints" / "step-6")           # died before committing step 6
+    partial = run_dir / "checkpoints" / "step-8"                 # a leftover from a crash at step 8
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half a file")
+    rerun(run_dir)
+    assert f"resuming from {run_dir / 'checkpoints' / 'step-4'} (step 4)" in rank0_log(run_dir)
+    assert (partial / "manifest.json").exists(), "the partial step-8 dir was not replaced by a committed one"
+    assert json.loads((partial / "manifest.json").read_text())["step"] == 8
+
+
+def test_no_usable_checkpoint_is_a_clear_error_and_nothing_is_overwritten(three_checkpoints):
+    run_dir = three_checkpoints
+    for step in (2, 4, 6):
+        truncate(run_dir / "checkpoints" / f"step-{step}")
+    before = {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()}
+    metrics_before = (run_dir / "metrics.jsonl").read_bytes()
+    line = one_line_error(rerun(run_dir, check=False))
+    assert f"no usable checkpoint in {run_dir / 'checkpoints'}" in line and "--no-auto_resume" in line
+    assert {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("*") if p.is_file()} == before
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
+
+
+# --- hostile pickles ------------------------------------------------------------------------------
+
+class Payload:
+    """Unpickling this runs os.system(...) — what a malicious checkpoint would do."""
+
+    def __init__(self, sentinel: Path):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.sentinel}",)
+
+
+def plant(ckpt: Path, name: str, sentinel: Path) -> None:
+    """Replace one file by a hostile pickle and re-sign the manifest, so only the safe loader stands guard."""
+    data = pickle.dumps({"state": Payload(sentinel)})
+    (ckpt / name).write_bytes(data)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "trainer.pt"])
+@pytest.mark.parametrize("path", ["auto", "explicit"])
+def test_hostile_pickle_is_refused_on_every_load_path(three_checkpoints, tmp_path_factory, name, path):
+    run_dir = three_checkpoints
+    sentinel = tmp_path_factory.mktemp("sentinel") / "pwned"
+    for step in (2, 4, 6):
+        plant(run_dir / "checkpoints" / f"step-{step}", name, sentinel)
+    extra = ["--resume_from", str(run_dir / "checkpoints" / "step-6")] if path == "explicit" else []
+    line = one_line_error(rerun(run_dir, *extra, check=False))
+    assert f"{name} refused by the safe loader" in line
+    assert not sentinel.exists(), "unpickling ran the payload"
+
+
+def test_hostile_pickle_in_place_of_the_safetensors_file_is_refused(three_checkpoints, tmp_path):
+    run_dir = three_checkpoints
+    sentinel = tmp_path / "pwned"
+    plant(run_dir / "checkpoints" / "step-6", "model.safetensors", sentinel)
+    rerun(run_dir)
+    assert "model.safetensors does not parse" in rank0_log(run_dir)
+    assert not sentinel.exists()
+
+
+# --- the manifest and retention ------------------------------------------------------------------
+
+def test_manifest_describes_the_checkpoint(three_checkpoints):
+    ckpt = three_checkpoints / "checkpoints" / "step-6"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["step"] == 6 and manifest["epoch"] == 0 and manifest["world_size"] == 1
+    assert manifest["cursor"] == 6 * 32 and manifest["global_batch_size"] == 32
+    assert set(manifest["versions"]) == {"torch", "python", "ddptrain"}
+    assert manifest["config"]["max_steps"] == 6
+    for name, entry in manifest["files"].items():
+        data = (ckpt / name).read_bytes()
+        assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted([*manifest["files"], "manifest.json"])
+
+
+def test_retention_keeps_the_newest_and_survives_a_failed_delete(tmp_path, monkeypatch):
+    train(tmp_path, "--save_every_steps", "1", "--keep_last", "2", "--max_steps", "5")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-4", "step-5"]
+
+    # A delete that fails (e.g. a file held open on a network filesystem) is logged, never fatal.
+    import logging
+
+    from ddptrain.checkpoint import CheckpointManager
+
+    manager = CheckpointManager.__new__(CheckpointManager)
+    manager.directory, manager.keep_last = tmp_path / "checkpoints", 1
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ddptrain").addHandler(handler)
+    try:
+        manager.purge(keep_step=5)
+    finally:
+        logging.getLogger("ddptrain").removeHandler(handler)
+    assert any("could not delete old checkpoint" in r.getMessage() and "step-4" in r.getMessage() for r in records)
+
+
+def test_checkpoints_by_wall_time(tmp_path):
+    train(tmp_path, "--save_every", "0", "--save_every_minutes", "0.00001", "--keep_last", "0", "--max_steps", "4")
+    steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoints").iterdir())
+    assert steps == [1, 2, 3, 4]
+
+
+def test_finished_run_rerun_is_a_no_op(tmp_path):
+    train(tmp_path, "--max_steps", "3")
+    before = (tmp_path / "model.safetensors").read_bytes()
+    proc = train(tmp_path, "--max_steps", "3")
+    assert "already complete" in proc.stdout
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+    assert [r["step"] for r in metrics(tmp_path, "train")] == [1, 2, 3]

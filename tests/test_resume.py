@@ -1,0 +1,202 @@
+"""Exact resume: a run that is killed, restarted, preempted or resized ends bitwise where an uninterrupted
+run ends. Real processes, gloo on CPU.
+
+The job: a BatchNorm-free MLP with dropout, on synthetic data with random augmentation from the global
+RNG, 2 processes x micro-batch 8 x accumulation 2 (global batch 32), 8 steps per epoch, 2 epochs,
+checkpoints every 3 steps and every epoch. Dropout and augmentation make RNG restore observable.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import (TINY, assert_bitwise_equal, cli_env, last_committed, metrics, optimizer_state, train,
+                     weights)
+
+JOB = ["--model", "fault_plugins:dropout_mlp", "--dataset", "fault_plugins:augmented_synthetic",
+       "--batch_size", "8", "--grad_accum_steps", "2", "--epochs", "2", "--save_every_steps", "3",
+       "--keep_last", "0", "--num_workers", "2"]
+STEPS = 16
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(run_dir, "train")}
+
+
+def assert_same_result(run: Path, ref: Path) -> None:
+    assert_bitwise_equal(weights(run / "model.safetensors"), weights(ref / "model.safetensors"))
+    final, ref_final = last_committed(run), last_committed(ref)
+    assert final.name == ref_final.name == f"step-{STEPS}"
+    opt, ref_opt = optimizer_state(final), optimizer_state(ref_final)
+    for key, state in ref_opt["state"].items():
+        for name, tensor in state.items():
+            assert (opt["state"][key][name] == tensor).all(), f"optimizer state {key}/{name} differs"
+    assert losses(run) == losses(ref)
+    assert sorted(losses(run)) == list(range(1, STEPS + 1))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference")
+    train(run_dir, *JOB, nproc=2)
+    return run_dir
+
+
+@pytest.mark.parametrize("fault", [
+    "rank=1,step=5,kind=sigkill",             # mid-epoch, a non-zero rank
+    "rank=0,step=6,micro=1,kind=sigkill",     # between the two micro-batches of an accumulation step
+    "rank=1,step=9,kind=sigkill",             # first step of epoch 2, right after the epoch checkpoint
+    "rank=0,step=6,kind=sigkill,at=save",     # while rank 0 writes the checkpoint of step 6
+], ids=["mid-epoch", "micro-step", "epoch-boundary", "during-save"])
+def test_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, reference, fault):
+    proc = train(tmp_path, *JOB, "--max_restarts", "1", nproc=2, env={"DDPTRAIN_FAULT": fault})
+    assert_same_result(tmp_path, reference)
+    assert "resuming from" in (tmp_path / "logs" / "rank-0.log").read_text()
+    assert proc.returncode == 0
+
+
+def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "ddptrain", "train", *TINY, *JOB, "--run_dir", str(run_dir), "--nproc", "2",
+            *extra]
+    return subprocess.Popen(args, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, limit_s: float = 120) -> None:
+    deadline = time.monotonic() + limit_s
+    while not path.exists():
+        assert proc.poll() is None, f"run ended before {path} appeared: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+SLOW = ["--dataset", "fault_plugins:slow_augmented_synthetic"]
+
+
+@pytest.fixture(scope="module")
+def slow_reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("slow-reference")
+    train(run_dir, *JOB, *SLOW, nproc=2)
+    return run_dir
+
+
+def test_whole_job_killed_then_rerun_resumes_bitwise(tmp_path, slow_reference):
+    proc = _start(tmp_path, *SLOW)
+    _wait_for(tmp_path / "checkpoints" / "step-6" / "manifest.json", proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # launcher and workers at once: no chance to clean up
+    proc.wait()
+    assert not (tmp_path / "model.safetensors").exists(), "the run finished before it could be killed"
+    train(tmp_path, *JOB, *SLOW, nproc=2)
+    assert_same_result(tmp_path, slow_reference)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_preemption_signal_commits_checkpoint_and_exits_75(tmp_path, slow_reference, sig):
+    proc = _start(tmp_path, *SLOW)
+    _wait_for(tmp_path / "checkpoints" / "step-3" / "manifest.json", proc)
+    proc.send_signal(sig)  # to the launcher only: torch's agent forwards it to the workers
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, (out, err)
+    assert "preempted" in err
+    preempt_ckpt = last_committed(tmp_path)
+    assert int(preempt_ckpt.name.split("-")[1]) > 3, "the preemption did not save a new checkpoint"
+    assert not (tmp_path / "model.safetensors").exists()
+    train(tmp_path, *JOB, *SLOW, nproc=2)
+    assert_same_result(tmp_path, slow_reference)
+
+
+def test_async_checkpoint_gives_the_same_result(tmp_path, reference):
+    train(tmp_path, *JOB, "--async_checkpoint", nproc=2)
+    assert_same_result(tmp_path, reference)
+
+
+def test_failed_background_write_is_not_committed(tmp_path):
+    proc = train(tmp_path, *JOB, "--async_checkpoint", nproc=2, check=False,
+                 env={"DDPTRAIN_FAULT": "rank=0,step=3,kind=raise,at=save"})
+    assert proc.returncode == 1, proc.stderr
+    assert not (tmp_path / "checkpoints" / "step-3" / "manifest.json").exists()
+    assert "checkpoint of step 3 failed" in proc.stderr
+    assert "injected fault" in proc.stderr
+
+
+def test_failed_sync_write_fails_every_rank_alike(tmp_path):
+    proc = train(tmp_path, *JOB, nproc=2, check=False, env={"DDPTRAIN_FAULT": "rank=0,step=3,kind=raise,at=save"})
+    assert proc.returncode == 1, proc.stderr
+    assert not (tmp_path / "checkpoints" / "step-3" / "manifest.json").exists()
+    for rank in (0, 1):
+        assert "checkpoint of step 3 failed on rank 0" in (tmp_path / "logs" / f"rank-{rank}.log").read_text()
+
+
+# --- resume at a different world size --------------------------------------------------------------
+
+PLAIN = ["--epochs", "2", "--keep_last", "0", "--record_sample_ids"]
+
+
+def step_samples(run_dir: Path) -> dict[int, list[int]]:
+    """The sorted sample ids of each global step, across ranks and micro-batches (last attempt wins)."""
+    from helpers import read_jsonl
+
+    by_attempt: dict[int, dict[tuple[int, int], list[int]]] = {}
+    for path in sorted((run_dir / "samples").glob("rank-*.jsonl")):
+        rank = int(path.stem.split("-")[1])
+        for row in read_jsonl(path):
+            by_attempt.setdefault(row["step"], {})[(rank, row["micro"])] = row["ids"]
+    return {step: sorted(i for ids in parts.values() for i in ids) for step, parts in by_attempt.items()}
+
+
+@pytest.fixture(scope="module")
+def resize_reference(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("resize-reference")
+    train(run_dir, *PLAIN, "--batch_size", "16", nproc=2)
+    return run_dir
+
+
+@pytest.mark.parametrize("first,second", [
+    (("--batch_size", "16", "--nproc", "2"), ("--batch_size", "16", "--grad_accum_steps", "2")),
+    (("--batch_size", "16", "--grad_accum_steps", "2"), ("--batch_size", "16", "--nproc", "2")),
+], ids=["2to1", "1to2"])
+def test_resume_on_other_world_size_sees_the_same_samples(tmp_path, resize_reference, first, second):
+    train(tmp_path, *PLAIN, *first, "--max_steps", "5")
+    train(tmp_path, *PLAIN, *second)
+    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    assert "world size changed on resume" in log
+    assert step_samples(tmp_path) == step_samples(resize_reference)
+    ref_losses, got = losses(resize_reference), losses(tmp_path)
+    assert sorted(got) == sorted(ref_losses)
+    for step, loss in ref_losses.items():
+        assert abs(got[step] - loss) <= 1e-5 * max(1.0, abs(loss)), (step, got[step], loss)
+
+
+def test_changing_the_global_batch_on_resume_warns(tmp_path):
+    train(tmp_path, *PLAIN, "--batch_size", "16", "--max_steps", "3")
+    train(tmp_path, *PLAIN, "--batch_size", "32")
+    assert "global batch changed on resume: 16 -> 32" in (tmp_path / "logs" / "rank-0.log").read_text()
+    # The cursor is in samples: 3 steps x 16 consumed, so epoch 0 continues at sample 48.
+    samples = step_samples(tmp_path)
+    assert len(samples[4]) == 32
+    assert set(samples[4]).isdisjoint(i for s in (1, 2, 3) for i in samples[s])
+
+
+# --- non-finite values ---------------------------------------------------------------------------
+
+def test_nan_on_one_rank_is_skipped_on_every_rank(tmp_path):
+    train(tmp_path, "--epochs", "1", nproc=2, env={"DDPTRAIN_FAULT": "rank=1,step=3,kind=nan"})
+    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    assert "non-finite gradient norm at step(s) [3] (non-finite loss on rank(s) [1])" in log
+    rows = {r["step"]: r for r in metrics(tmp_path, "train")}
+    assert rows[3]["nonfinite_steps"] == 1 and rows[4]["nonfinite_steps"] == 0
+    assert "replicas identical" in log  # the end-of-run check that ranks did not diverge
+
+
+def test_nan_with_stop_fails_every_rank_naming_step_and_rank(tmp_path):
+    proc = train(tmp_path, "--epochs", "1", "--on_nonfinite", "stop", nproc=2, check=False,
+                 env={"DDPTRAIN_FAULT": "rank=1,step=3,kind=nan"})
+    assert proc.returncode == 1
+    assert "non-finite gradient norm at step 3 (non-finite loss on rank(s) [1])" in proc.stderr
