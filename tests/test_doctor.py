@@ -57,19 +57,19 @@ def test_single_process_runs_every_check_in_process(tmp_path, capsys):
 def _report(rank: int, **changes) -> doctor.RankReport:
     fields = dict(rank=rank, host=f"h{rank // 2}", addr=f"10.0.0.{rank // 2 + 1}", interface="eth0", device="cpu",
                   torch="2.13", python="3.11", ddptrain="0.1.0", code="abc", rendezvous_s=0.1, barrier_ms=1.0,
-                  run_dir_error="", run_dir_seen=[0, 1, 2, 3])
+                  run_dir_error="", run_dir_seen=[0, 1, 2, 3], all_reduce_ok=True)
     return doctor.RankReport(**{**fields, **changes})
 
 
 def test_problems_name_the_odd_ranks_and_their_hosts():
     reports = [_report(0), _report(1), _report(2, torch="2.12"), _report(3, torch="2.12"),
-               _report(4, run_dir_error="PermissionError: Permission denied", run_dir_seen=[0, 1, 2, 3])]
-    for r in reports[:4]:
-        r.run_dir_seen = [0, 1, 2, 3]
+               _report(4, run_dir_error="PermissionError: Permission denied", all_reduce_ok=False)]
     problems = doctor.find_problems(reports, "runs")
     assert problems[0] == "torch version differs: rank 2, 3 on h1 (10.0.0.2) has 2.12, the others 2.13"
-    assert problems[1].startswith("run dir runs is not writable by rank 4 on h2 (10.0.0.3) (PermissionError")
-    assert any("not the same storage" in p for p in problems)  # no rank saw rank 4's file
+    assert problems[1].startswith("all-reduce returned wrong sums on rank 4 on h2 (10.0.0.3)")
+    assert problems[2].startswith("run dir runs is not writable by rank 4 on h2 (10.0.0.3) (PermissionError")
+    assert "not the same storage" in problems[3]  # no rank saw rank 4's file
+    assert doctor.find_problems([_report(r, run_dir_seen=[0, 1]) for r in (0, 1)], "runs") == []
 
 
 def test_bus_bandwidth_is_the_ring_all_reduce_factor():

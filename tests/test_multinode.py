@@ -64,6 +64,7 @@ def hosts(tmp_path):
     nodes = [Host(f"ddpt{tag}{side}", f"{SUBNET}.{n + 1}", tmp_path / f"host-{n}.out") for n, side in enumerate("ab")]
     try:
         for node in nodes:
+            subprocess.run(["ip", "netns", "del", node.netns], capture_output=True)  # a crashed run's, same pid
             _ip("netns", "add", node.netns)
             made.append(node.netns)
         _ip("link", "add", f"dv{tag}a", "type", "veth", "peer", "name", f"dv{tag}b")
@@ -166,7 +167,7 @@ def test_c10d_rendezvous_loses_a_host_and_the_survivor_resumes(hosts, tmp_path):
     """Elastic NNODES=1:2 with a restart: after host b dies, host a re-rendezvouses alone and finishes."""
     run_dir = tmp_path / "run"
     env = {"NNODES": "1:2", "MAX_RESTARTS": "1", "RDZV_ENDPOINT": f"{hosts[0].addr}:29400", "RDZV_ID": "ci",
-           "RDZV_CONF": "last_call_timeout=8,keep_alive_interval=1"}
+           "RDZV_CONF": "last_call_timeout=10,keep_alive_interval=1"}
     for node in hosts:
         start(node, train_args(run_dir, "--inject_fault", "rank=2,step=3,kind=hang"), LOCAL_ADDR=node.addr, **env)
     wait_for(lambda: committed(run_dir, 2) and (run_dir / "logs" / "rank-3.log").exists(), hosts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -10,6 +11,9 @@ from pathlib import Path
 
 import pytest
 from helpers import TINY, metrics, train
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from ddptrain.launch import _failure_text, _root_cause
 
 HOST = socket.gethostname()
 
@@ -120,3 +124,17 @@ def test_furthest_behind_is_the_earliest_step_then_phase(peers, mine, behind):
         assert "furthest behind" not in line, line
     else:
         assert f"; rank {behind} on host h{behind} is furthest behind" in line, line
+
+
+def test_launcher_names_the_cause_not_the_ranks_that_lost_it(tmp_path):
+    """Whole-second timestamps tie; the rank whose error only says its peer vanished is not the cause."""
+    def failure(rank: int, message: str) -> ProcessFailure:
+        path = tmp_path / f"error-{rank}.json"
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"timestamp": "1700000000"}}}))
+        return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1, error_file=str(path))
+
+    failures = {0: failure(0, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4567"),
+                1: failure(1, "InjectedFault: injected fault kind=raise at step 3 micro-batch 0"),
+                2: failure(2, "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:4568: Connection reset by peer")}
+    rank, cause = _root_cause(ChildFailedError("ddptrain", failures))
+    assert rank == 1 and _failure_text(cause).startswith("InjectedFault: injected fault")

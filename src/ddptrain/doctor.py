@@ -110,6 +110,7 @@ class RankReport:
     barrier_ms: float
     run_dir_error: str  # "" when this rank could write its token file
     run_dir_seen: list[int]  # ranks whose token files this rank sees
+    all_reduce_ok: bool  # every all-reduce of the sweep returned the expected sum on this rank
 
 
 def main(argv: list[str]) -> int:
@@ -163,10 +164,10 @@ def check(args: argparse.Namespace, hook: TestHook) -> int:
             rank=ctx.rank, host=ctx.host, addr=ctx.addr, interface=ctx.interface, device=_device_name(ctx.device),
             torch=torch.__version__, python=platform.python_version(), ddptrain=ddptrain.__version__,
             code=hook.code_hash if hooked and hook.code_hash else code_hash(),
-            rendezvous_s=rendezvous_s, barrier_ms=barrier_ms, run_dir_error=run_dir_error, run_dir_seen=seen)
+            rendezvous_s=rendezvous_s, barrier_ms=barrier_ms, run_dir_error=run_dir_error, run_dir_seen=seen,
+            all_reduce_ok=sums_ok)
         reports = [RankReport(**r) for r in _gather_objects(ctx, asdict(mine))]
-        problems = find_problems(reports, args.run_dir) + ([] if sums_ok else
-                                                           ["all-reduce returned wrong sums: check the network"])
+        problems = find_problems(reports, args.run_dir)
         if ctx.is_main:
             print(render(reports, sweep, ctx.backend, args.run_dir, problems), flush=True)
             if os.environ.get(VERDICT_VAR):
@@ -297,6 +298,9 @@ def find_problems(reports: list[RankReport], run_dir: str) -> list[str]:
         if odd:
             theirs = ", ".join(dict.fromkeys(getattr(reports[r], field) for r in odd))
             problems.append(f"{what} differs: {_who(reports, odd)} has {theirs}, the others {norm}")
+    wrong = [r.rank for r in reports if not r.all_reduce_ok]
+    if wrong:
+        problems.append(f"all-reduce returned wrong sums on {_who(reports, wrong)}: data is corrupted in transit")
     unwritable = [r.rank for r in reports if r.run_dir_error]
     if unwritable:
         errors = "; ".join(dict.fromkeys(reports[r].run_dir_error for r in unwritable))
