@@ -184,3 +184,20 @@ def test_finished_run_rerun_is_a_no_op(tmp_path):
     assert "already complete" in proc.stdout
     assert (tmp_path / "model.safetensors").read_bytes() == before
     assert [r["step"] for r in metrics(tmp_path, "train")] == [1, 2, 3]
+
+
+def test_injected_corruption_is_caught_on_resume(tmp_path):
+    train(tmp_path, *SAVES, "--max_steps", "6", "--inject_fault", "rank=0,step=6,kind=corrupt-checkpoint")
+    rerun(tmp_path, "--inject_fault", "")
+    log = rank0_log(tmp_path)
+    assert "model.safetensors fails its sha256 check (corrupted)" in log
+    assert f"resuming from {tmp_path / 'checkpoints' / 'step-4'} (step 4)" in log
+
+
+def test_injected_exit_then_rerun_resumes(tmp_path):
+    proc = train(tmp_path, *SAVES, "--max_steps", "6", "--inject_fault", "rank=0,step=5,kind=exit", check=False)
+    assert proc.returncode == 13
+    assert last_committed(tmp_path).name == "step-4"
+    rerun(tmp_path, "--inject_fault", "")
+    assert f"resuming from {tmp_path / 'checkpoints' / 'step-4'} (step 4)" in rank0_log(tmp_path)
+    assert [r["step"] for r in metrics(tmp_path, "train")] == list(range(1, 9))
