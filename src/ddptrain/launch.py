@@ -62,7 +62,7 @@ def launch_local(command: str, argv: list[str], nproc: int, max_restarts: int, r
         elastic_launch(config, sys.executable)("-m", "ddptrain", command, *argv)
         return 0
     except ChildFailedError as exc:
-        return _report_failure(exc, run_dir, started)
+        return _report_failure(exc, run_dir, started, command)
     except SignalException as exc:
         preempted = _preempted_since(run_dir, started)
         if preempted:
@@ -124,7 +124,7 @@ def _root_cause(exc: ChildFailedError):
     return min(exc.failures.items(), key=lambda item: (lost_a_peer(item), item[1].timestamp, item[0]))
 
 
-def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float) -> int:
+def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float, command: str) -> int:
     """One line naming the root-cause rank, host and error; exit code 75 / 2 / 1 as the workers said."""
     codes = {f.exitcode for f in exc.failures.values()}
     if codes == {EXIT_PREEMPTED}:
@@ -148,5 +148,5 @@ def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float)
     others = sorted(r for r in exc.failures if r != rank)
     also = f" (also failed: rank {', '.join(map(str, others))})" if others else ""
     where = f"; its log: {run_dir / 'logs' / f'rank-{rank}.log'}" if run_dir else ""
-    print(f"ddptrain: training failed: rank {rank} on host {host}: {message}{also}{where}", file=sys.stderr)
+    print(f"ddptrain: {'training' if command == 'train' else command} failed: rank {rank} on host {host}: {message}{also}{where}", file=sys.stderr)
     return EXIT_FAILURE

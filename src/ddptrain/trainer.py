@@ -168,11 +168,6 @@ class Trainer:
             self.model = self.ddp
         if cfg.compile:
             self.model = torch.compile(self.model)
-        self._module_started: Any = None
-        if self.ddp is not None and not cfg.compile:
-            # DDP broadcasts buffers (BatchNorm statistics) before the module runs, which waits for late
-            # ranks: the straggler statistic times the module's own forward, from this hook on.
-            model.register_forward_pre_hook(self._module_forward_started)
         self.params = [p for p in model.parameters() if p.requires_grad]
 
         # Optimizer and schedule. The linear scaling rule is opt-in: lr * global batch / base batch.
@@ -202,6 +197,11 @@ class Trainer:
                                      cfg.profile_warmup, cfg.profile_active)
         self.signals = StopSignals()
         self.clock = Clock(device)
+        self._module_started: Any = None
+        if self.ddp is not None and not cfg.compile:
+            # DDP broadcasts buffers (BatchNorm statistics) before the module runs, which waits for late
+            # ranks: the straggler statistic times the module's own forward, from this hook on.
+            model.register_forward_pre_hook(self._module_forward_started)
         self.sinks = MetricSinks(run_dir, cfg.tensorboard) if ctx.is_main else None
         self.peak_tflops = cfg.peak_tflops or perf.known_peak_tflops(device)
         self._reset_window()
