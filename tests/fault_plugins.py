@@ -10,19 +10,6 @@ from torch import nn
 from ddptrain.data import SyntheticImages
 
 
-class SlowImages(SyntheticImages):
-    """The synthetic dataset, slowed down so a signal can land mid-run without timing games."""
-
-    def __getitem__(self, index: int):
-        time.sleep(0.004)
-        return super().__getitem__(index)
-
-
-def slow_synthetic(cfg):
-    shape = dict(num_classes=cfg.num_classes, channels=cfg.in_channels, image_size=cfg.image_size, seed=cfg.seed)
-    return SlowImages(cfg.dataset_size, **shape), SyntheticImages(cfg.eval_size, offset=cfg.dataset_size, **shape)
-
-
 class AugmentedImages(SyntheticImages):
     """Random flips and noise drawn from the global torch RNG: exact resume must reproduce them."""
 
@@ -33,21 +20,25 @@ class AugmentedImages(SyntheticImages):
         return image + 0.1 * torch.randn_like(image), label
 
 
-def augmented_synthetic(cfg):
+def _splits(cfg, train_class: type[SyntheticImages]):
     shape = dict(num_classes=cfg.num_classes, channels=cfg.in_channels, image_size=cfg.image_size, seed=cfg.seed)
-    return AugmentedImages(cfg.dataset_size, **shape), SyntheticImages(cfg.eval_size, offset=cfg.dataset_size, **shape)
+    return train_class(cfg.dataset_size, **shape), SyntheticImages(cfg.eval_size, offset=cfg.dataset_size, **shape)
+
+
+def augmented_synthetic(cfg):
+    return _splits(cfg, AugmentedImages)
 
 
 class SlowAugmentedImages(AugmentedImages):
+    """Slowed down so that a signal or a kill lands mid-run without timing games."""
+
     def __getitem__(self, index: int):
         time.sleep(0.01)
         return super().__getitem__(index)
 
 
 def slow_augmented_synthetic(cfg):
-    shape = dict(num_classes=cfg.num_classes, channels=cfg.in_channels, image_size=cfg.image_size, seed=cfg.seed)
-    return (SlowAugmentedImages(cfg.dataset_size, **shape),
-            SyntheticImages(cfg.eval_size, offset=cfg.dataset_size, **shape))
+    return _splits(cfg, SlowAugmentedImages)
 
 
 def dropout_mlp(cfg):

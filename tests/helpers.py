@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -83,3 +84,23 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class RunsCode:
+    """Unpickling this runs a shell command that creates `sentinel` — what a malicious checkpoint would do."""
+
+    def __init__(self, sentinel: Path):
+        self.sentinel = sentinel
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.sentinel}",)
+
+
+def plant_hostile(checkpoint: Path, name: str, sentinel: Path) -> None:
+    """Replace checkpoint/name by a pickle that runs code and re-sign the manifest, so that only the safe
+    loader stands between the file and the payload."""
+    torch.save({"state": RunsCode(sentinel), "param_groups": []}, checkpoint / name)
+    data = (checkpoint / name).read_bytes()
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))

@@ -5,9 +5,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 import torch
 
 import pipeline_runs as runs
-from helpers import metrics, one_line_error, read_jsonl, train, weights
+from helpers import RunsCode, metrics, one_line_error, plant_hostile, read_jsonl, train, weights
 from ddptrain.checkpoint import MANIFEST, CheckpointError, committed_steps, read_checkpoint
 
 
@@ -45,25 +43,6 @@ def test_checkpoint_of_a_two_process_run_resumes_and_finishes(pair: Path, tmp_pa
     final, uninterrupted = weights(resumed / "model.safetensors"), weights(pair / "model.safetensors")
     for key in final:
         torch.testing.assert_close(final[key], uninterrupted[key], rtol=1e-6, atol=1e-7)
-
-
-class RunsCode:
-    """Unpickling this runs a shell command that creates `sentinel`."""
-
-    def __init__(self, sentinel: Path):
-        self.sentinel = sentinel
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.sentinel}",)
-
-
-def plant_hostile(checkpoint: Path, name: str, sentinel: Path) -> None:
-    """Replace checkpoint/name with a pickle that runs code, and re-sign the manifest so it is loaded."""
-    torch.save({"state": RunsCode(sentinel), "param_groups": []}, checkpoint / name)
-    data = (checkpoint / name).read_bytes()
-    manifest = json.loads((checkpoint / MANIFEST).read_text())
-    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
 
 
 def hostile_copy(pair: Path, tmp_path: Path, name: str) -> tuple[Path, Path]:

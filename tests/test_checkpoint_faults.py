@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import pickle
 import shutil
 from pathlib import Path
 
 import pytest
 
-from helpers import last_committed, metrics, one_line_error, train
+from helpers import last_committed, metrics, one_line_error, plant_hostile, train
 
 SAVES = ["--save_every_steps", "2", "--keep_last", "0", "--epochs", "1"]
 
@@ -88,32 +86,13 @@ def test_no_usable_checkpoint_is_a_clear_error_and_nothing_is_overwritten(three_
 
 # --- hostile pickles ------------------------------------------------------------------------------
 
-class Payload:
-    """Unpickling this runs os.system(...) — what a malicious checkpoint would do."""
-
-    def __init__(self, sentinel: Path):
-        self.sentinel = sentinel
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.sentinel}",)
-
-
-def plant(ckpt: Path, name: str, sentinel: Path) -> None:
-    """Replace one file by a hostile pickle and re-sign the manifest, so only the safe loader stands guard."""
-    data = pickle.dumps({"state": Payload(sentinel)})
-    (ckpt / name).write_bytes(data)
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
-
-
 @pytest.mark.parametrize("name", ["optimizer.pt", "trainer.pt"])
 @pytest.mark.parametrize("path", ["auto", "explicit"])
 def test_hostile_pickle_is_refused_on_every_load_path(three_checkpoints, tmp_path_factory, name, path):
     run_dir = three_checkpoints
     sentinel = tmp_path_factory.mktemp("sentinel") / "pwned"
     for step in (2, 4, 6):
-        plant(run_dir / "checkpoints" / f"step-{step}", name, sentinel)
+        plant_hostile(run_dir / "checkpoints" / f"step-{step}", name, sentinel)
     extra = ["--resume_from", str(run_dir / "checkpoints" / "step-6")] if path == "explicit" else []
     line = one_line_error(rerun(run_dir, *extra, check=False))
     assert f"{name} refused by the safe loader" in line
@@ -123,7 +102,7 @@ def test_hostile_pickle_is_refused_on_every_load_path(three_checkpoints, tmp_pat
 def test_hostile_pickle_in_place_of_the_safetensors_file_is_refused(three_checkpoints, tmp_path):
     run_dir = three_checkpoints
     sentinel = tmp_path / "pwned"
-    plant(run_dir / "checkpoints" / "step-6", "model.safetensors", sentinel)
+    plant_hostile(run_dir / "checkpoints" / "step-6", "model.safetensors", sentinel)
     rerun(run_dir)
     assert "model.safetensors does not parse" in rank0_log(run_dir)
     assert not sentinel.exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -118,10 +119,17 @@ def _root_cause(exc: ChildFailedError):
     peer's own error (or a peer killed without an error file) can be named instead; errors that only say a
     peer went away rank after the others.
     """
-    def lost_a_peer(item) -> bool:
-        return any(marker in _failure_text(item[1]) for marker in PEER_LOSS_MARKERS)
+    def consequence(item) -> bool:
+        failure = item[1]
+        stopped_by_agent = failure.exitcode == -signal.SIGTERM and not _recorded(failure)
+        return stopped_by_agent or any(marker in _failure_text(failure) for marker in PEER_LOSS_MARKERS)
 
-    return min(exc.failures.items(), key=lambda item: (lost_a_peer(item), item[1].timestamp, item[0]))
+    return min(exc.failures.items(), key=lambda item: (consequence(item), item[1].timestamp, item[0]))
+
+
+def _recorded(failure) -> bool:
+    """Whether the worker wrote its own error (the agent makes one up for a process that died silently)."""
+    return bool(failure.error_file_data)
 
 
 def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float, command: str) -> int:
@@ -142,11 +150,12 @@ def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float,
     rank, failure = _root_cause(exc)
     message = _failure_text(failure)
     message = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}"
-    if failure.exitcode < 0:
+    if failure.exitcode < 0 and not _recorded(failure):
         message = f"killed by signal {-failure.exitcode}"
     host = os.uname().nodename
     others = sorted(r for r in exc.failures if r != rank)
     also = f" (also failed: rank {', '.join(map(str, others))})" if others else ""
     where = f"; its log: {run_dir / 'logs' / f'rank-{rank}.log'}" if run_dir else ""
-    print(f"ddptrain: {'training' if command == 'train' else command} failed: rank {rank} on host {host}: {message}{also}{where}", file=sys.stderr)
+    what = "training" if command == "train" else command
+    print(f"ddptrain: {what} failed: rank {rank} on host {host}: {message}{also}{where}", file=sys.stderr)
     return EXIT_FAILURE

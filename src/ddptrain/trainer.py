@@ -418,7 +418,8 @@ class Trainer:
             trainer={"scheduler": self.scheduler.state_dict(),
                      "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                      "window": {"loss": self._win_loss.cpu(), "count": self._win_count.cpu(),
-                                "bad_loss": self._win_bad_loss.cpu(), "steps": self._window_steps}},
+                                "bad_loss": self._win_bad_loss.cpu(), "bad_steps": self._win_bad_steps.cpu(),
+                                "steps": self._window_steps}},
             config=self.cfg.to_dict(),
         )
 
@@ -448,6 +449,9 @@ class Trainer:
         self._win_loss.copy_(window["loss"])
         self._win_count.copy_(window["count"])
         self._win_bad_loss.copy_(window["bad_loss"])
+        bad_steps = window.get("bad_steps")
+        if bad_steps is not None and bad_steps.shape == self._win_bad_steps.shape:  # else --log_interval changed
+            self._win_bad_steps.copy_(bad_steps)
         self._window_steps = window["steps"]
         pos.step, pos.epoch, pos.cursor = saved.step, saved.epoch, saved.cursor
         self._first_step = saved.step
@@ -487,7 +491,9 @@ class Trainer:
         window_base = (pos.step - 1) // cfg.log_interval * cfg.log_interval
         bad_steps = [window_base + i + 1 for i, flag in enumerate(self._win_bad_steps.tolist()) if flag]
         elapsed = time.perf_counter() - self._window_started
-        steps = self._window_steps
+        # Times cover the steps this process ran; after a resume the restored window also holds steps that
+        # the previous process timed.
+        steps = len(self._spans)
         breakdown = {"fwd_bwd": 0.0, "optimizer": 0.0, "forward": 0.0}
         for spans in self._spans:
             for name, start, end in spans:
