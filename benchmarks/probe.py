@@ -1,0 +1,175 @@
+"""How the benchmarks watch ddptrain's real training loop without changing it.
+
+`StepProbe` replaces a Trainer's train loader with a wrapper that yields the same batches and calls back
+at every step boundary — the fetch of a step's first micro-batch, which `Trainer.fit` does at the start
+of each `train_step`. Everything the loop does between two fetches (the step itself, the scheduler, log
+steps, the per-step control all-reduce, saves) lands between two boundaries. The wrapper costs one
+generator hop per micro-batch. At a boundary the callbacks below may:
+
+* `Interleave`: run a block of the raw loop, so that ddptrain and the raw loop alternate in blocks of K
+  optimizer steps (ABAB...) in the same processes, on the same cores, with the same data and model;
+* `SaveSchedule`: choose whether the next step ends with a save, and whether it is synchronous or not;
+* `Timeline`: only record the time.
+
+All callbacks run on every rank at the same boundary, so a collective inside one (a checkpoint wait) is safe.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from benchmarks.raw_loop import sync_device
+
+
+class StepProbe:
+    """Wraps a train loader: same batches, and `on_boundary(steps_done)` before each step's first fetch."""
+
+    def __init__(self, loader: Any, grad_accum_steps: int, on_boundary: Callable[[int], None]):
+        self.loader, self.accum, self.on_boundary = loader, grad_accum_steps, on_boundary
+        self.taken = 0  # micro-batches handed out so far
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator:
+        batches = iter(self.loader)
+        while True:
+            if self.taken % self.accum == 0:
+                self.on_boundary(self.taken // self.accum)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.taken += 1
+            yield batch
+
+
+class Timeline:
+    """Boundary times: `times[i]` is when step i+1 began (device work of earlier steps finished)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.times: list[float] = []
+
+    def __call__(self, steps_done: int) -> None:
+        sync_device(self.device)
+        self.times.append(time.perf_counter())
+
+    def step_seconds(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+class Interleave:
+    """At every K-th boundary: close ddptrain's block of K steps, run K raw-loop steps, open the next block.
+
+    A short pause before each block lets the other side's loader workers finish refilling their prefetch
+    queues, so neither side's data loading runs on the other's clock. Pauses are not timed.
+    """
+
+    def __init__(self, device: torch.device, block_steps: int, run_other: Callable[[int], float], settle_s: float,
+                 max_blocks: int):
+        self.device, self.block_steps, self.run_other, self.settle_s = device, block_steps, run_other, settle_s
+        self.max_blocks = max_blocks
+        self.ours: list[float] = []  # seconds of each ddptrain block
+        self.theirs: list[float] = []  # seconds of the raw block that followed it
+        self.peak_mb: dict[str, float] = {"ours": 0.0, "theirs": 0.0}  # CUDA: allocator peak during each side's blocks
+        self._opened: float | None = None
+
+    def _peak(self, side: str) -> None:
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+            self.peak_mb[side] = max(self.peak_mb[side], peak)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def __call__(self, steps_done: int) -> None:
+        if steps_done % self.block_steps or len(self.ours) == self.max_blocks:
+            return
+        sync_device(self.device)
+        now = time.perf_counter()
+        if self._opened is not None:
+            self.ours.append(now - self._opened)
+            self._peak("ours")
+            time.sleep(self.settle_s)
+            self.theirs.append(self.run_other(self.block_steps))
+            self._peak("theirs")
+            if len(self.ours) == self.max_blocks:
+                return
+        time.sleep(self.settle_s)
+        self._opened = time.perf_counter()
+
+
+class CommCounter:
+    """A DDP communication hook: the stock all-reduce, counted by the micro-step it happened in."""
+
+    def __init__(self, micro_of: Callable[[], int]):
+        self.micro_of = micro_of
+        self.calls: Counter[int] = Counter()  # micro-step index -> bucket all-reduces
+        self.enabled = True
+
+    def hook(self, state, bucket):  # unannotated: DDP rejects annotations other than its own types
+        if self.enabled:
+            self.calls[self.micro_of()] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+
+class SaveSchedule:
+    """Saves after steps first, first + 2P, first + 4P, ..., alternately synchronous and asynchronous.
+
+    Each save is followed by a window of P steps (the save's cost lands there) and then P clean steps (the
+    baseline). An asynchronous write still running at the end of its window is waited for there, so all
+    of its cost stays inside its own window. The trainer's own path does the saving: the schedule only sets
+    `save_every_steps` to 1 for the step before a save, and the manager's `async_save`.
+    """
+
+    def __init__(self, trainer: Any, first: int, period: int, num_saves: int):
+        self.trainer, self.period = trainer, period
+        self.save_steps = [first + 2 * period * k for k in range(num_saves)]
+        self.timeline = Timeline(trainer.ctx.device)
+        self.blocked: dict[int, float] = {}  # save step -> seconds the training thread spent in save()
+        self.unfinished: dict[int, float] = {}  # async save step -> seconds waited for it at its window end
+        original = trainer.save
+
+        def timed_save() -> None:
+            started = time.perf_counter()
+            original()
+            self.blocked[self.trainer.position.step] = time.perf_counter() - started
+
+        trainer.save = timed_save  # _between_steps calls self.save(): an instance attribute wins
+
+    def is_async(self, save_step: int) -> bool:
+        return self.save_steps.index(save_step) % 2 == 1
+
+    def __call__(self, steps_done: int) -> None:
+        manager = self.trainer.checkpoints
+        closing = steps_done - self.period + 1  # the save whose window ends with the step just done
+        if closing in self.save_steps and self.is_async(closing):
+            started = time.perf_counter()
+            manager.wait()  # all ranks: joins the writer and agrees on its outcome
+            self.unfinished[closing] = time.perf_counter() - started
+        self.timeline(steps_done)
+        upcoming = steps_done + 1
+        self.trainer.cfg.save_every_steps = 1 if upcoming in self.save_steps else 0
+        if upcoming in self.save_steps:
+            manager.async_save = self.is_async(upcoming)
+
+    def summary(self) -> dict[str, Any]:
+        """Per save: seconds blocked in save(), seconds of training lost over its window vs the clean steps."""
+        steps = self.timeline.step_seconds()  # steps[i] is the duration of step i+1
+        saves = []
+        for save_step in self.save_steps:
+            window = steps[save_step - 1:save_step - 1 + self.period]
+            clean = steps[save_step - 1 - self.period:save_step - 1]
+            if len(window) < self.period or len(clean) < self.period:
+                continue
+            baseline = statistics.median(clean)
+            saves.append({"step": save_step, "mode": "async" if self.is_async(save_step) else "sync",
+                          "blocked_s": self.blocked.get(save_step, float("nan")),
+                          "lost_s": sum(window) - self.period * baseline, "step_s": baseline,
+                          "waited_at_window_end_s": self.unfinished.get(save_step, 0.0)})
+        return {"saves": saves}

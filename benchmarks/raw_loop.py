@@ -1,0 +1,141 @@
+"""The hand-written baseline: the loop a user writes with plain torch.distributed and no framework.
+
+DistributedSampler, DataLoader, DDP, torch's SGD with its default settings, cross-entropy; optionally
+autocast (bf16), channels_last, torch.compile and gradient accumulation — with `no_sync`, or the seed
+article's way, which all-reduces on every micro-step. It reads nothing back from the device per step: a
+competent loop is the fair opponent, so every ratio measures the framework, not a careless baseline.
+
+It borrows only the model and dataset definitions from ddptrain (the same network and data on both sides).
+The benchmark worker runs it in-process, interleaved with ddptrain's Trainer; `main` is the bare torchrun
+script of the startup benchmark:
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.raw_loop --out T.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class RawLoop:
+    """One DDP training loop over `dataset`; `run(n)` trains n optimizer steps and returns the seconds.
+
+    Must be driven on all ranks in step. `micro` is the micro-step in progress (read by counting hooks).
+    """
+
+    def __init__(self, model: nn.Module, dataset: Dataset, *, device: torch.device, batch_size: int,
+                 num_workers: int, lr: float, momentum: float, weight_decay: float, seed: int,
+                 grad_accum_steps: int = 1, sync_every_micro_step: bool = False, use_amp: bool = False,
+                 channels_last: bool = False, compile: bool = False):
+        self.device, self.accum, self.use_amp = device, grad_accum_steps, use_amp
+        self.sync_every_micro_step, self.channels_last = sync_every_micro_step, channels_last
+        model = model.to(device)
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        # One process has nothing to all-reduce; ddptrain does not wrap it either.
+        self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else None
+        self.model: nn.Module = self.ddp if self.ddp is not None else model
+        if compile:
+            self.model = torch.compile(self.model)
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self.sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed,
+                                          drop_last=True)
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
+                                 pin_memory=device.type == "cuda", drop_last=True)
+        self.epoch = 0
+        self.micro = 0
+        self._batches = None
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._batches is None:
+            self.sampler.set_epoch(self.epoch)
+            self._batches = iter(self.loader)
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self.epoch, self._batches = self.epoch + 1, None
+            return self._next_batch()
+
+    def step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in range(self.accum):
+            self.micro = micro
+            inputs, targets = self._next_batch()
+            inputs = inputs.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            if self.channels_last and inputs.dim() == 4:
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            skip_sync = self.ddp is not None and micro < self.accum - 1 and not self.sync_every_micro_step
+            with self.ddp.no_sync() if skip_sync else contextlib.nullcontext():
+                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.use_amp):
+                    loss = F.cross_entropy(self.model(inputs), targets)
+                (loss / self.accum).backward()
+        self.optimizer.step()
+
+    def run(self, steps: int) -> float:
+        """Train `steps` optimizer steps; wall seconds from the first to the device finishing the last."""
+        sync_device(self.device)
+        started = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+        sync_device(self.device)
+        return time.perf_counter() - started
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- the bare torchrun script of the startup benchmark ---------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="bare DDP script: time to the first optimizer step")
+    parser.add_argument("--out", required=True, help="rank 0 writes {'first_step_time': unix seconds} here")
+    parser.add_argument("--model", choices=("mini_resnet", "mlp"), default="mini_resnet")
+    parser.add_argument("--width", type=int, default=16)
+    parser.add_argument("--image_size", type=int, default=16)
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--dataset_size", type=int, default=10000)
+    parser.add_argument("--num_workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    from ddptrain.data import SyntheticImages  # the same network and data as ddptrain trains
+    from ddptrain.models import MLP, MiniResNet
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(42)
+    model = (MiniResNet(3, 10, args.width) if args.model == "mini_resnet"
+             else MLP(3 * args.image_size ** 2, 10, hidden=args.width))
+    data = SyntheticImages(args.dataset_size, 10, 3, args.image_size, seed=42)
+    loop = RawLoop(model, data, device=device, batch_size=args.batch_size, num_workers=args.num_workers, lr=0.1,
+                   momentum=0.9, weight_decay=5e-4, seed=42)
+    loop.run(1)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps({"first_step_time": time.time()}))
+    if args.steps > 1:
+        loop.run(args.steps - 1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

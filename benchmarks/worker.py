@@ -1,0 +1,222 @@
+"""One benchmark process: trains with ddptrain's real Trainer, watched by a probe (see probe.py).
+
+Started on every rank by torchrun (`common.torchrun`):
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m benchmarks.worker JOBS.json OUT.json
+
+JOBS.json is a list of jobs, run one after another in the same process group; each is
+{"name", "mode", "argv": [ddptrain train flags], ...mode settings}. Modes:
+
+* interleave  — ddptrain and the raw loop alternate in blocks of `block_steps` optimizer steps;
+* accumulate  — the same, against the raw loop that all-reduces on every micro-step, with both DDP
+                wrappers' bucket all-reduces counted per micro-step by a communication hook;
+* checkpoint  — alternating synchronous and asynchronous saves on ddptrain's own save path;
+* timeline    — ddptrain alone: step boundary times and its metrics.jsonl; optionally an all-reduce
+                sweep first (bandwidth and latency for the scaling model);
+* pair        — two Trainers (`argv` and `argv_b`, e.g. an option on and off) in the same processes,
+                alternating blocks of `Trainer.train_step` (options.py).
+
+Rank 0 writes a list of results to OUT.json.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.probe import CommCounter, Interleave, SaveSchedule, StepProbe, Timeline
+from benchmarks.raw_loop import RawLoop, sync_device
+from ddptrain.config import TrainConfig, resolve_config
+from ddptrain.data import build_datasets
+from ddptrain.distributed import DistributedContext, distributed
+from ddptrain.models import build_model
+from ddptrain.observe.log import setup_logging
+from ddptrain.observe.metrics import read_metrics
+from ddptrain.trainer import Trainer
+
+
+def raw_loop_for(cfg: TrainConfig, ctx: DistributedContext, sync_every_micro_step: bool = False) -> RawLoop:
+    """The raw loop on the same model (same init), data, batch, loader workers and options as `cfg`."""
+    torch.manual_seed(cfg.seed)
+    train, _ = build_datasets(cfg)
+    return RawLoop(build_model(cfg), train, device=ctx.device, batch_size=cfg.batch_size,
+                   num_workers=cfg.num_workers, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                   seed=cfg.seed, grad_accum_steps=cfg.grad_accum_steps, sync_every_micro_step=sync_every_micro_step,
+                   use_amp=cfg.use_amp, channels_last=cfg.channels_last, compile=cfg.compile)
+
+
+def all_reduce_sweep(ctx: DistributedContext, sizes: list[int], iters: int) -> list[dict[str, float]]:
+    """Median seconds of an all-reduce of each size on the training backend (what DDP's buckets use)."""
+    rows = []
+    for size in sizes:
+        tensor = torch.ones(size // 4, device=ctx.device)
+        dist.all_reduce(tensor)
+        times = []
+        for _ in range(iters):
+            dist.barrier()
+            sync_device(ctx.device)
+            started = time.perf_counter()
+            dist.all_reduce(tensor)
+            sync_device(ctx.device)
+            times.append(time.perf_counter() - started)
+        rows.append({"bytes": size, "seconds": statistics.median(times)})
+    return rows
+
+
+def release_loaders(*loaders: Any) -> None:
+    """Stop loader workers now, while their queues are alive.
+
+    A Trainer sits in reference cycles (hooks hold bound methods), so it is freed by the cyclic garbage
+    collector, which finalizes the loader's queues before the loader iterator's __del__ asks the workers
+    to stop: the stop message is never sent and every worker costs a 5 s join timeout. Dropping the
+    iterator by reference count first shuts the workers down in milliseconds.
+    """
+    for loader in loaders:
+        inner = getattr(loader, "loader", loader)  # a StepProbe wraps the real DataLoader
+        if inner is not None and hasattr(inner, "_iterator"):
+            inner._iterator = None
+
+
+def train_steps(trainer: Trainer, batches: Any, steps: int) -> float:
+    """`steps` optimizer steps of the trainer's own train_step (no log steps); wall seconds."""
+    sync_device(trainer.ctx.device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step(batches)
+        trainer.position.step += 1
+        trainer.scheduler.step()
+    sync_device(trainer.ctx.device)
+    return time.perf_counter() - started
+
+
+def run_pair(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
+    """Trainer A (`argv`) and B (`argv_b`) alternate blocks of `block_steps` steps, `blocks` times each."""
+    trainers, iterators = [], []
+    for argv in (job["argv"], job["argv_b"]):
+        cfg = resolve_config(argv)
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        trainer = Trainer(cfg, ctx, Path(cfg.run_dir))
+        trainer.sampler.set_position(0, 0)
+        trainers.append(trainer)
+        iterators.append(iter(trainer.train_loader))
+    times: list[list[float]] = [[], []]
+    for _ in range(job["blocks"]):
+        for side in (0, 1):
+            time.sleep(job.get("settle_s", 0.1))
+            times[side].append(train_steps(trainers[side], iterators[side], job["block_steps"]))
+    del iterators
+    for trainer in trainers:
+        release_loaders(trainer.train_loader, trainer.eval_loader)
+    del trainers
+    gc.collect()
+    return {"name": job["name"], "mode": "pair", "world_size": ctx.world_size, "a_s": times[0], "b_s": times[1]}
+
+
+def time_calls(obj: Any, names: tuple[str, ...]) -> dict[str, list[float]]:
+    """Wrap obj's methods to record each call's seconds (attributes the overhead; ~1 us per call)."""
+    spent: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:
+        method = getattr(obj, name)
+
+        def timed(*args: Any, _method: Any = method, _into: list[float] = spent[name], **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                _into.append(time.perf_counter() - started)
+
+        setattr(obj, name, timed)
+    return spent
+
+
+def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
+    """One job (all ranks); the result is rank 0's view."""
+    if job["mode"] == "pair":
+        return run_pair(job, ctx)
+    cfg = resolve_config(job["argv"])
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(run_dir, ctx.rank, ctx.world_size, ctx.host)
+    result: dict[str, Any] = {"name": job["name"], "mode": job["mode"], "world_size": ctx.world_size,
+                              "threads": torch.get_num_threads()}
+    if job.get("sweep_sizes"):
+        result["sweep"] = all_reduce_sweep(ctx, job["sweep_sizes"], job.get("sweep_iters", 5))
+
+    trainer = Trainer(cfg, ctx, run_dir)
+    result["grad_bytes"] = sum(p.numel() * p.element_size() for p in trainer.params)
+    mode = job["mode"]
+    counters: dict[str, CommCounter] = {}
+    spent: dict[str, list[float]] = {}
+    if mode in ("interleave", "accumulate"):
+        spent = time_calls(trainer, ("_between_steps", "_log_train"))
+        raw = raw_loop_for(cfg, ctx, sync_every_micro_step=mode == "accumulate")
+        callback: Any = Interleave(ctx.device, job["block_steps"], raw.run, job.get("settle_s", 0.1),
+                                   max_blocks=job["blocks"])
+    elif mode == "checkpoint":
+        callback = SaveSchedule(trainer, job["first_save"], job["period"], job["num_saves"])
+    else:
+        callback = Timeline(ctx.device)
+    probe = StepProbe(trainer.train_loader, cfg.grad_accum_steps, callback)
+    trainer.train_loader = probe
+    if mode == "accumulate":
+        counters["ddptrain"] = CommCounter(lambda: (probe.taken - 1) % cfg.grad_accum_steps)
+        counters["raw"] = CommCounter(lambda: raw.micro)
+        trainer.ddp.register_comm_hook(None, counters["ddptrain"].hook)
+        raw.ddp.register_comm_hook(None, counters["raw"].hook)
+
+    started = time.perf_counter()
+    summary = trainer.fit()
+    result["steps"] = summary["step"]
+    if isinstance(callback, Interleave):
+        result["ours_s"], result["theirs_s"] = callback.ours, callback.theirs
+        result["raw_steps"] = len(callback.theirs) * job["block_steps"]
+        result["peak_mb"] = callback.peak_mb
+        result["global_batch_size"] = trainer.layout.global_batch_size
+        result["flops_per_sample"], result["peak_tflops"] = trainer.flops_per_sample, trainer.peak_tflops
+    elif isinstance(callback, SaveSchedule):
+        result.update(callback.summary())
+        result["checkpoint_bytes"] = _newest_checkpoint_bytes(cfg)
+    else:
+        result["step_s"] = callback.step_seconds()
+    result["calls_s"] = {name: {"count": len(times), "median_s": statistics.median(times) if times else 0.0}
+                         for name, times in spent.items()}
+    for side, counter in counters.items():
+        result[f"{side}_calls_by_micro"] = {str(k): v for k, v in sorted(counter.calls.items())}
+    if ctx.is_main:
+        result["metrics"] = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["split"] == "train"]
+    result["wall_s"] = time.perf_counter() - started
+    release_loaders(trainer.train_loader, trainer.eval_loader)
+    if mode in ("interleave", "accumulate"):
+        raw._batches = None
+    del trainer, callback
+    gc.collect()  # this job's memory is freed before the next job starts
+    return result
+
+
+def _newest_checkpoint_bytes(cfg: TrainConfig) -> int:
+    from ddptrain.checkpoint import committed_steps
+
+    found = committed_steps(cfg.checkpoint_path)
+    return sum(f.stat().st_size for f in found[0][1].iterdir()) if found else 0
+
+
+def main(argv: list[str]) -> None:
+    jobs = json.loads(Path(argv[0]).read_text())
+    out = Path(argv[1])
+    first = resolve_config(jobs[0]["argv"])
+    with distributed(first.backend, first.init_timeout_s, out.parent) as ctx:
+        results = [run_job(job, ctx) for job in jobs]
+        if ctx.is_main:
+            out.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,54 @@
+"""Plug-ins for the benchmarks: `--model benchmarks.workloads:deep_mlp` and
+`--dataset benchmarks.workloads:cached_synthetic`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddptrain.data import SyntheticImages
+
+HIDDEN_LAYERS = 5
+
+
+def deep_mlp(cfg) -> nn.Module:
+    """Flatten, then 5 hidden layers of `--width` units: many large tensors, so DDP fills several buckets.
+
+    At --width 2304 on 32x32x3 images: 28.3M parameters (113 MB of fp32 gradients; 227 MB of weights plus
+    SGD momentum in a checkpoint).
+    """
+    layers: list[nn.Module] = [nn.Flatten()]
+    width_in = cfg.in_channels * cfg.image_size ** 2
+    for _ in range(HIDDEN_LAYERS):
+        layers += [nn.Linear(width_in, cfg.width), nn.ReLU()]
+        width_in = cfg.width
+    layers.append(nn.Linear(width_in, cfg.num_classes))
+    return nn.Sequential(*layers)
+
+
+class CachedImages(Dataset):
+    """`size` samples cycling through `unique` synthetic images made once: reading a sample is a slice.
+
+    For the GPU benchmark, where generating images per sample would make the loader, not the training loop,
+    the thing measured.
+    """
+
+    def __init__(self, size: int, source: Dataset, unique: int):
+        self.size = size
+        pairs = [source[i] for i in range(unique)]
+        self.images = torch.stack([image for image, _ in pairs])
+        self.labels = [label for _, label in pairs]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        slot = index % len(self.labels)
+        return self.images[slot], self.labels[slot]
+
+
+def cached_synthetic(cfg) -> tuple[Dataset, None]:
+    """`--dataset benchmarks.workloads:cached_synthetic`: --dataset_size samples over 2048 distinct images."""
+    source = SyntheticImages(2048, cfg.num_classes, cfg.in_channels, cfg.image_size, seed=cfg.seed)
+    return CachedImages(cfg.dataset_size, source, 2048), None

@@ -1,0 +1,277 @@
+"""`ddptrain plan`: predict step time and scaling efficiency of data-parallel training at 8..1024 GPUs.
+
+Inputs: the measured time of one optimizer step on one device, the gradient bytes all-reduced per step,
+and the network's all-reduce bus bandwidth and latency (from `ddptrain doctor`, or given). The model:
+
+* A ring all-reduce of S bytes over N ranks moves 2(N-1)/N * S bytes through each link and takes
+  2(N-1) latency-bound hops: t(S) = 2(N-1)*alpha + (S/B) * 2(N-1)/N, with B the bus bandwidth (the
+  doctor's busbw, which is defined so that this holds) and alpha the time of one hop.
+* DDP cuts the gradients into buckets (the first 1 MiB, then --bucket_cap_mb each) and all-reduces
+  each bucket as soon as the backward pass has produced it; buckets are reduced one after another.
+  Gradients appear at a uniform rate (bytes per second) during backward, so bucket i is ready at
+  t_bwd * (bytes up to and including i) / S. Communication that ends before backward ends is hidden;
+  the rest is exposed and adds to the step: step(N) = step(1) + max(0, end of last all-reduce - t_bwd).
+* Weak scaling: the per-device batch and so the per-device compute are the same at every N, and
+  efficiency = step(1) / step(N) = throughput(N) / (N * throughput(1)).
+
+Not modelled (each makes real runs slower than predicted): compute slowed by communication kernels
+sharing the device (NCCL uses SMs; on CPU gloo uses the same cores), hierarchical networks (give the
+slowest, inter-node bandwidth), NCCL's tree algorithms at large N (they cut latency: the prediction is
+pessimistic there), stragglers, data stalls, and anything but DDP's bucketed all-reduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddptrain.errors import EXIT_OK, UsageError
+
+MIB = 1 << 20
+FIRST_BUCKET_BYTES = MIB  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
+DEFAULT_GPUS = (8, 16, 32, 64, 128, 256, 512, 1024)
+DEFAULT_BACKWARD_FRACTION = 0.6  # backward ~ 2x forward, plus ~10% optimizer and the rest of the step
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one device does per optimizer step, and what the network can do."""
+
+    step_s: float  # one optimizer step on one device (no communication)
+    backward_fraction: float  # share of step_s spent in the backward pass (where all-reduce can hide)
+    grad_bytes: int  # gradient bytes all-reduced per optimizer step
+    busbw_bytes_per_s: float  # all-reduce bus bandwidth B
+    latency_s: float  # alpha: one hop of the ring
+    bucket_cap_bytes: int = 25 * MIB
+    first_bucket_bytes: int = FIRST_BUCKET_BYTES
+
+    @property
+    def backward_s(self) -> float:
+        return self.step_s * self.backward_fraction
+
+
+@dataclass(frozen=True)
+class Prediction:
+    world_size: int
+    num_buckets: int
+    comm_s: float  # all bucket all-reduces back to back
+    exposed_s: float  # the part not hidden behind backward
+    step_s: float
+    efficiency: float
+    step_no_overlap_s: float  # if nothing overlapped (a bound from above)
+    efficiency_no_overlap: float
+
+
+def bucket_sizes(grad_bytes: int, cap_bytes: int, first_bytes: int = FIRST_BUCKET_BYTES) -> list[int]:
+    """DDP's bucket sizes in the order they become ready: a small first bucket, then full ones, a remainder."""
+    sizes, left = [], grad_bytes
+    limit = min(first_bytes, cap_bytes) if first_bytes > 0 else cap_bytes
+    while left > 0:
+        take = min(left, limit)
+        sizes.append(take)
+        left -= take
+        limit = cap_bytes
+    return sizes
+
+
+def ring_all_reduce_s(num_bytes: int, world_size: int, busbw_bytes_per_s: float, latency_s: float) -> float:
+    """t = 2(N-1)*alpha + (S/B) * 2(N-1)/N; zero for one rank."""
+    if world_size <= 1:
+        return 0.0
+    hops = 2 * (world_size - 1)
+    return hops * latency_s + num_bytes / busbw_bytes_per_s * hops / world_size
+
+
+def predict(work: Workload, world_size: int) -> Prediction:
+    """Step time and efficiency at `world_size` devices (weak scaling)."""
+    if world_size <= 1:
+        return Prediction(1, 0, 0.0, 0.0, work.step_s, 1.0, work.step_s, 1.0)
+    sizes = bucket_sizes(work.grad_bytes, work.bucket_cap_bytes, work.first_bucket_bytes)
+    backward = work.backward_s
+    done_bytes, end, comm = 0, 0.0, 0.0
+    for size in sizes:
+        done_bytes += size
+        ready = backward * done_bytes / work.grad_bytes
+        t = ring_all_reduce_s(size, world_size, work.busbw_bytes_per_s, work.latency_s)
+        end = max(ready, end) + t  # buckets go one after another, each once it is ready
+        comm += t
+    exposed = max(0.0, end - backward)
+    step = work.step_s + exposed
+    no_overlap = work.step_s + comm
+    return Prediction(world_size, len(sizes), comm, exposed, step, work.step_s / step, no_overlap,
+                      work.step_s / no_overlap)
+
+
+# --- inputs from files -------------------------------------------------------------------------------
+
+_SWEEP_ROW = re.compile(r"^\s*(\d+) (B|KiB|MiB)\s+([\d.]+)\s+([\d.eE+-]+)\s+([\d.eE+-]+)\s*$")
+_SWEEP_WORLD = re.compile(r"all-reduce sweep .*N = (\d+)")
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": MIB}
+
+
+def network_from_doctor(text: str, source: str) -> tuple[float, float, int]:
+    """(busbw bytes/s, alpha seconds, N) from `ddptrain doctor`'s printed all-reduce sweep.
+
+    B is the bus bandwidth of the largest size (bandwidth-bound); alpha is the smallest size's time over
+    its 2(N-1) hops (latency-bound: an upper bound on alpha).
+    """
+    world = _SWEEP_WORLD.search(text)
+    rows = [m for m in map(_SWEEP_ROW.match, text.splitlines()) if m]
+    if not world or not rows:
+        raise UsageError(f"--doctor {source}: no all-reduce sweep found; save the output of `ddptrain doctor "
+                         "--nproc N` (or its torchrun/srun form) to a file and pass that")
+    n = int(world.group(1))
+    if n < 2:
+        raise UsageError(f"--doctor {source}: the sweep ran on 1 rank, which measures no network; run the "
+                         "doctor on at least 2 ranks (ideally across nodes)")
+    points = sorted((int(m.group(1)) * _UNITS[m.group(2)], float(m.group(3)) / 1000, float(m.group(5)))
+                    for m in rows)
+    busbw = points[-1][2] * 1e9
+    alpha = points[0][1] / (2 * (n - 1))
+    return busbw, alpha, n
+
+
+def compute_from_run(run_dir: Path) -> tuple[float, float | None, int]:
+    """(median step seconds, backward fraction or None, gradient bytes) from a finished 1-process run."""
+    from ddptrain.config import load_toml, TrainConfig
+    from ddptrain.observe.metrics import read_metrics
+
+    metrics_path, config_path = run_dir / "metrics.jsonl", run_dir / "config.toml"
+    if not metrics_path.is_file() or not config_path.is_file():
+        raise UsageError(f"--run_dir {run_dir}: no metrics.jsonl and config.toml there; pass the run dir of a "
+                         "finished `ddptrain train` run")
+    lines = [r for r in read_metrics(metrics_path) if r["split"] == "train" and r.get("step_time_s")]
+    if len(lines) < 2:
+        raise UsageError(f"--run_dir {run_dir}: fewer than 2 train lines in metrics.jsonl (the first is warm-up); "
+                         "train longer or with a smaller --log_interval")
+    if len(lines[-1].get("step_time_s_by_rank", [0])) != 1:
+        raise UsageError(f"--run_dir {run_dir}: the run used {len(lines[-1]['step_time_s_by_rank'])} processes, "
+                         "so its step time includes communication; measure compute on 1 process (--nproc 1)")
+    steady = lines[1:]
+    step_s = statistics.median(r["step_time_s"] for r in steady)
+    backward = None
+    if all("fwd_bwd_s" in r for r in steady):
+        backward = 2 / 3 * statistics.median(r["fwd_bwd_s"] for r in steady) / step_s  # backward ~ 2x forward
+    cfg = TrainConfig(**load_toml(str(config_path)))
+    return step_s, backward, gradient_bytes(cfg)
+
+
+def gradient_bytes(cfg) -> int:
+    """Bytes of the trainable parameters of cfg's model (built on the meta device: no memory, no compute)."""
+    import torch
+
+    from ddptrain.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+# --- command line ------------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message}; see `ddptrain plan --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ddptrain plan", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                     description="Predict DDP step time and scaling efficiency at many GPUs.\n\n"
+                     + __doc__.split("\n\n", 1)[1])
+    compute = parser.add_argument_group("compute (one device)")
+    compute.add_argument("--run_dir", help="a finished 1-process `ddptrain train` run: step time from its "
+                         "metrics.jsonl, gradient bytes from its config.toml")
+    compute.add_argument("--step_ms", type=float, help="one optimizer step on one device, in ms (overrides "
+                         "--run_dir)")
+    compute.add_argument("--grad_mib", type=float, help="gradient MiB all-reduced per step (overrides --run_dir)")
+    compute.add_argument("--backward_fraction", type=float, help="share of the step spent in backward "
+                         f"(default: from --run_dir, else {DEFAULT_BACKWARD_FRACTION})")
+    network = parser.add_argument_group("network")
+    network.add_argument("--doctor", metavar="FILE", help="saved output of `ddptrain doctor` on >= 2 ranks: "
+                         "bandwidth from its largest all-reduce, latency from its smallest")
+    network.add_argument("--busbw_gbps", type=float, help="all-reduce bus bandwidth in GB/s (the doctor's busbw; "
+                         "overrides --doctor)")
+    network.add_argument("--latency_us", type=float, help="latency of one ring hop in microseconds (overrides "
+                         "--doctor; default 10)")
+    ddp = parser.add_argument_group("DDP")
+    ddp.add_argument("--bucket_cap_mb", type=float, default=25.0, help="DDP bucket size in MiB (default: 25)")
+    ddp.add_argument("--gpus", default=",".join(map(str, DEFAULT_GPUS)),
+                     help="comma-separated device counts (default: 8,16,...,1024)")
+    return parser
+
+
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    step_s = grad_bytes = backward = None
+    if args.run_dir:
+        step_s, backward, grad_bytes = compute_from_run(Path(args.run_dir))
+    if args.step_ms is not None:
+        step_s = args.step_ms / 1000
+    if args.grad_mib is not None:
+        grad_bytes = int(args.grad_mib * MIB)
+    if args.backward_fraction is not None:
+        backward = args.backward_fraction
+    if step_s is None or grad_bytes is None:
+        raise UsageError("give the compute: --run_dir of a 1-process run, or --step_ms and --grad_mib")
+    busbw = latency = None
+    if args.doctor:
+        path = Path(args.doctor)
+        if not path.is_file():
+            raise UsageError(f"--doctor {args.doctor}: no such file; save `ddptrain doctor` output there")
+        busbw, latency, _ = network_from_doctor(path.read_text(errors="replace"), args.doctor)
+    if args.busbw_gbps is not None:
+        busbw = args.busbw_gbps * 1e9
+    if args.latency_us is not None:
+        latency = args.latency_us / 1e6
+    if busbw is None:
+        raise UsageError("give the network: --busbw_gbps (the busbw of `ddptrain doctor`'s largest all-reduce) "
+                         "or --doctor FILE")
+    checks = [("--step_ms", step_s > 0), ("--grad_mib", grad_bytes > 0), ("--busbw_gbps", busbw > 0),
+              ("--latency_us", latency is None or latency >= 0), ("--bucket_cap_mb", args.bucket_cap_mb > 0),
+              ("--backward_fraction", backward is None or 0 <= backward <= 1)]
+    for flag, ok in checks:
+        if not ok:
+            raise UsageError(f"{flag} must be positive" + (" and at most 1" if flag == "--backward_fraction" else ""))
+    return Workload(step_s=step_s, backward_fraction=DEFAULT_BACKWARD_FRACTION if backward is None else backward,
+                    grad_bytes=grad_bytes, busbw_bytes_per_s=busbw,
+                    latency_s=10e-6 if latency is None else latency,
+                    bucket_cap_bytes=int(args.bucket_cap_mb * MIB))
+
+
+def parse_gpus(text: str) -> list[int]:
+    try:
+        gpus = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"--gpus {text!r}: write device counts separated by commas, e.g. 8,64,512") from None
+    if not gpus or min(gpus) < 1:
+        raise UsageError(f"--gpus {text!r}: every device count must be >= 1")
+    return gpus
+
+
+def render(work: Workload, predictions: list[Prediction]) -> str:
+    buckets = len(bucket_sizes(work.grad_bytes, work.bucket_cap_bytes, work.first_bucket_bytes))
+    header = (f"ddptrain plan: step {1000 * work.step_s:.1f} ms on one device "
+              f"({100 * work.backward_fraction:.0f}% backward), gradients {work.grad_bytes / MIB:.1f} MiB in "
+              f"{buckets} buckets of <= {work.bucket_cap_bytes / MIB:g} MiB, "
+              f"busbw {work.busbw_bytes_per_s / 1e9:.3g} GB/s, hop latency {1e6 * work.latency_s:.3g} us")
+    names = ["GPUs", "all-reduce ms", "exposed ms", "step ms", "efficiency", "no-overlap step ms", "no-overlap eff"]
+    rows = [[str(p.world_size), f"{1000 * p.comm_s:.2f}", f"{1000 * p.exposed_s:.2f}", f"{1000 * p.step_s:.2f}",
+             f"{100 * p.efficiency:.1f}%", f"{1000 * p.step_no_overlap_s:.2f}", f"{100 * p.efficiency_no_overlap:.1f}%"]
+            for p in predictions]
+    widths = [max(len(n), *(len(r[i]) for r in rows)) for i, n in enumerate(names)]
+    lines = ["  ".join(n.rjust(w) for n, w in zip(names, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return (f"{header}\n\n" + "\n".join(lines) + "\n\nmodel: ring all-reduce t = 2(N-1)*alpha + (S/B)*2(N-1)/N per "
+            "bucket, buckets reduced in order as backward produces them; efficiency = step(1)/step(N) at a fixed "
+            "per-device batch. Optimistic where devices share a slower inter-node link (pass that busbw), where "
+            "communication slows compute, or with stragglers; `ddptrain plan --help` lists the assumptions.")
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    gpus = parse_gpus(args.gpus)
+    work = workload_from_args(args)
+    print(render(work, [predict(work, n) for n in gpus]))
+    return EXIT_OK

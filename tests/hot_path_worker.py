@@ -1,0 +1,90 @@
+"""Counts reads of tensor values by the host during non-log steps of the real Trainer.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/hot_path_worker.py OUT.json [flags]
+
+Every way Python code can pull a tensor's value to the host — `.item()`, `.tolist()`, `.numpy()`, `.cpu()`,
+`.nonzero()`, truth value, `float()`, `int()`, use as an index, formatting — is wrapped on `torch.Tensor`
+and counted while optimizer steps 2..log_interval-1 run: the steps that are not log steps, each from the
+fetch of its first micro-batch to the next step's (train_step, scheduler, the step-boundary checks). On a
+GPU each of these waits for the device, so a clean count is what keeps the device fed.
+
+One read is expected and counted apart: `DistributedContext.reduce_flags`, the preemption/timed-save flags
+all-reduced on the gloo control group between steps. That tensor is built on the CPU from Python bools in
+that function on every device, so reading it never waits for an accelerator. Rank 0 writes OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.probe import StepProbe
+from ddptrain.config import resolve_config
+from ddptrain.distributed import distributed
+from ddptrain.trainer import Trainer
+
+HOST_READS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__float__", "__int__", "__index__",
+              "__format__", "__repr__")
+CONTROL_FLAGS = ("reduce_flags", str(Path("ddptrain") / "distributed.py"))
+
+
+class HostReadCounter:
+    def __init__(self) -> None:
+        self.active = False
+        self.reads: list[dict[str, Any]] = []
+        self.control_reads = 0
+        self._originals: dict[str, Any] = {}
+
+    def __enter__(self) -> HostReadCounter:
+        for name in HOST_READS:
+            original = getattr(torch.Tensor, name)
+            self._originals[name] = original
+
+            def counted(tensor: torch.Tensor, *args: Any, _name: str = name, _original: Any = original,
+                        **kwargs: Any) -> Any:
+                if self.active:
+                    caller = sys._getframe(1).f_code
+                    if caller.co_name == CONTROL_FLAGS[0] and caller.co_filename.endswith(CONTROL_FLAGS[1]):
+                        self.control_reads += 1
+                    else:
+                        where = "".join(traceback.format_stack(limit=6)[:-1])
+                        self.reads.append({"method": _name, "device": str(tensor.device), "where": where})
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def main(argv: list[str]) -> None:
+    out, cfg = Path(argv[0]), resolve_config(argv[1:])
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx, HostReadCounter() as counter:
+        trainer = Trainer(cfg, ctx, run_dir)
+        counted_steps = []
+
+        def on_boundary(steps_done: int) -> None:
+            # Count from the start of step 2 (step 1 warms up) to the start of the first log step.
+            counter.active = 1 <= steps_done < cfg.log_interval - 1
+            if counter.active:
+                counted_steps.append(steps_done + 1)
+
+        trainer.train_loader = StepProbe(trainer.train_loader, cfg.grad_accum_steps, on_boundary)
+        trainer.fit()
+        counter.active = False
+        if ctx.is_main:
+            out.write_text(json.dumps({"reads": counter.reads, "control_reads": counter.control_reads,
+                                       "steps": counted_steps, "world_size": ctx.world_size}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,113 @@
+"""The benchmark harness (benchmarks/): every section runs at a toy size and reports what it should.
+
+Correctness of the harness only: no figure here is a speed claim, and nothing asserts a timing. The real
+numbers come from `make bench` (benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+from benchmarks.common import Row, paired_ratios, render_table
+from benchmarks.probe import Interleave, StepProbe
+
+SECTION_KEYS = {"overhead", "overhead_observed", "accumulation", "checkpoint", "data_synthetic", "data_cifar",
+                "startup", "scaling_miniresnet", "scaling_mlp"}
+
+
+@pytest.fixture(scope="module")
+def tiny_bench(tmp_path_factory) -> tuple[dict, str]:
+    work = tmp_path_factory.mktemp("bench")
+    out = work / "result.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--tiny", "--out", str(out), "--work",
+                           str(work / "scratch")], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def rows_by_key(record: dict) -> dict[str, dict]:
+    return {row["key"]: row for row in record["rows"]}
+
+
+def test_every_section_reports_a_row_with_a_verdict(tiny_bench):
+    record, stdout = tiny_bench
+    rows = rows_by_key(record)
+    assert SECTION_KEYS <= set(rows), set(rows)
+    assert any(key.startswith("option --") for key in rows)
+    assert not record["errors"]
+    for row in rows.values():
+        assert row["figure"] != "ERROR"
+        assert row["verdict"] in ("PASS", "MISS", "-")
+        assert row["benchmark"] in stdout  # the printed table has every row
+    misses = [row for row in rows.values() if row["verdict"] == "MISS"]
+    assert all("MISS" in row["note"] for row in misses), "a miss without its explanation"
+    assert record["load_avg_start"] and record["cpus"]
+
+
+def test_interleaved_comparisons_pair_every_block(tiny_bench):
+    rows = rows_by_key(tiny_bench[0])
+    for key in ("overhead", "overhead_observed"):
+        data = rows[key]["data"]
+        assert len(data["ours_s"]) == len(data["theirs_s"]) == len(data["ratios"]) + 1  # one warm-up pair
+        assert all(t > 0 and math.isfinite(t) for t in data["ours_s"] + data["theirs_s"])
+        assert data["calls_s"]["_between_steps"]["count"] > 0
+
+
+def test_accumulation_counts_gradient_communication_per_micro_step(tiny_bench):
+    data = rows_by_key(tiny_bench[0])["accumulation"]["data"]
+    assert data["ddptrain"]["micro_steps_with_comm"] == [3]  # no_sync: only the last of 4 micro-steps
+    assert data["seed_way"]["micro_steps_with_comm"] == [0, 1, 2, 3]
+    assert data["ddptrain"]["rounds_per_step"] == 1 and data["seed_way"]["rounds_per_step"] == 4
+
+
+def test_checkpoint_alternates_sync_and_async_saves(tiny_bench):
+    data = rows_by_key(tiny_bench[0])["checkpoint"]["data"]
+    modes = [save["mode"] for save in data["saves"]]
+    assert modes == ["sync", "async"] * (len(modes) // 2) and modes
+    assert all(save["blocked_s"] > 0 for save in data["saves"])
+    assert data["checkpoint_bytes"] > 0
+
+
+def test_data_startup_and_scaling_figures_are_well_formed(tiny_bench):
+    rows = rows_by_key(tiny_bench[0])
+    for key in ("data_synthetic", "data_cifar"):
+        assert all(0 <= f < 1 for f in rows[key]["data"]["fractions_by_rank"])
+    assert all(t > 0 for t in rows["startup"]["data"]["ddptrain_s"] + rows["startup"]["data"]["torchrun_s"])
+    for key in ("scaling_miniresnet", "scaling_mlp"):
+        data = rows[key]["data"]
+        assert data["efficiency"] > 0
+        assert 0 < data["plan"]["efficiency_no_overlap"] <= data["plan"]["efficiency"] <= 1
+
+
+# --- pieces, without processes -------------------------------------------------------------------------
+
+def test_interleave_runs_the_other_side_every_k_steps_and_stops():
+    ran = []
+    interleave = Interleave(__import__("torch").device("cpu"), block_steps=2,
+                            run_other=lambda n: ran.append(n) or 0.5, settle_s=0.0, max_blocks=3)
+    probe = StepProbe(list(range(20)), grad_accum_steps=2, on_boundary=interleave)
+    assert list(probe) == list(range(20))  # the same batches, in order
+    assert len(interleave.ours) == 3 and interleave.theirs == [0.5] * 3 and ran == [2, 2, 2]
+
+
+def test_paired_ratios_skip_warmup_and_table_keeps_notes():
+    assert paired_ratios([1.0, 2.0, 4.0], [1.0, 1.0, 2.0], skip=1) == [0.5, 0.5]
+    table = render_table([Row("k", "bench", "a", "b", "0.5", ">= 1", False, "MISS: why").to_json()])
+    assert "| bench" in table and "MISS" in table and "- bench: MISS: why" in table
+
+
+def test_gpu_script_fails_loudly_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs the real script")
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu.sh")], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "CUDA" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,115 @@
+"""Hot-path hygiene: nothing in a non-log step reads the device, and the settings that keep steps cheap hold.
+
+The CPU test counts Python-level reads of tensor values (tests/hot_path_worker.py says which and why) in
+real 2-process gloo training with gradient accumulation. The GPU test is the stronger check: CUDA's own
+sync debug mode raises on any synchronizing call, Python or C++, during non-log steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, TINY, cli_env
+from ddptrain.checkpoint import _cpu_copy
+from ddptrain.config import resolve_config
+from ddptrain.data import SeededSamples, SyntheticImages, make_loader
+from ddptrain.trainer import build_optimizer
+
+# A conv net with BatchNorm (DDP broadcasts its buffers every forward) and accumulation (no_sync).
+CONV = ["--model", "mini_resnet", "--width", "8", "--batch_size", "8", "--dataset_size", "4096",
+        "--grad_accum_steps", "2", "--log_interval", "6", "--max_steps", "7", "--eval_size", "0", "--num_workers", "1"]
+
+
+def test_non_log_steps_read_nothing_from_the_device(tmp_path):
+    out = tmp_path / "reads.json"
+    env = cli_env({"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])})
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(REPO / "tests" / "hot_path_worker.py"), str(out), *TINY, *CONV, "--run_dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, env=env, cwd=REPO, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["steps"] == [2, 3, 4, 5], result["steps"]
+    assert result["reads"] == [], "host reads in non-log steps:\n" + "\n".join(
+        f"{r['method']} on {r['device']}:\n{r['where']}" for r in result["reads"])
+    # The one expected read per step: the CPU flag tensor of the preemption/timed-save agreement.
+    assert result["control_reads"] == len(result["steps"])
+
+
+@pytest.mark.gpu
+def test_no_cuda_sync_in_non_log_steps(tmp_path):
+    """torch.cuda.set_sync_debug_mode('error') turns any synchronizing CUDA call into an exception."""
+    from benchmarks.probe import StepProbe
+    from ddptrain.distributed import distributed
+    from ddptrain.trainer import Trainer
+
+    cfg = resolve_config([*TINY, *CONV, "--backend", "nccl", "--run_dir", str(tmp_path)])
+    with distributed("nccl", 60, tmp_path) as ctx:
+        trainer = Trainer(cfg, ctx, tmp_path)
+        checked = []
+
+        def on_boundary(steps_done: int) -> None:
+            strict = 1 <= steps_done < cfg.log_interval - 1
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()  # the previous step's work is done before the mode changes
+            torch.cuda.set_sync_debug_mode("error" if strict else "default")
+            if strict:
+                checked.append(steps_done + 1)
+
+        trainer.train_loader = StepProbe(trainer.train_loader, cfg.grad_accum_steps, on_boundary)
+        try:
+            trainer.fit()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            trainer.train_loader.loader._iterator = None  # stop the workers now (see benchmarks.worker)
+    assert checked == [2, 3, 4, 5]
+
+
+def test_step_settings_that_avoid_known_traps(tmp_path):
+    cfg = resolve_config([*TINY, "--run_dir", str(tmp_path)], validate=False)
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for optimizer in ("sgd", "adamw"):
+        cfg.optimizer = optimizer
+        assert build_optimizer(cfg, params, 0.1).defaults["fused"] is True  # one kernel; on-device inf skip
+    source = (REPO / "src" / "ddptrain" / "trainer.py").read_text()
+    assert "zero_grad(set_to_none=True)" in source
+    assert source.count("non_blocking=True") >= 2
+    cfg.num_workers = 0
+    data = SyntheticImages(8, 2, 1, 4, seed=0)
+    assert make_loader(data, [[(0, 0)]], cfg, torch.device("cuda"), seed=0).pin_memory is True
+    assert make_loader(data, [[(0, 0)]], cfg, torch.device("cpu"), seed=0).pin_memory is False
+
+
+def test_batched_fetch_seeds_each_sample_and_restores_the_rngs():
+    """SeededSamples.__getitems__ (one RNG save/restore per batch) equals per-sample reads exactly."""
+    seeded = SeededSamples(SyntheticImages(64, 10, 3, 8, seed=1), seed=5)
+    keys = [(2, i) for i in range(0, 64, 5)]
+    torch.manual_seed(9)
+    one_by_one = [seeded[key] for key in keys]
+    after_one_by_one = torch.rand(3)
+    torch.manual_seed(9)
+    batched = seeded.__getitems__(keys)
+    assert torch.equal(torch.rand(3), after_one_by_one)
+    for a, b in zip(one_by_one, batched):
+        assert a[0] == b[0] and a[2] == b[2] and torch.equal(a[1], b[1])
+
+
+def test_async_checkpoint_copy_reuses_its_staging_memory():
+    state = {"model": {"w": torch.randn(4, 3)}, "optimizer": {"state": {0: {"momentum_buffer": torch.randn(4, 3)}},
+                                                              "param_groups": [{"lr": 0.1}]}}
+    first = _cpu_copy(state)
+    assert torch.equal(first["model"]["w"], state["model"]["w"])
+    assert first["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()
+    state["model"]["w"].add_(1.0)
+    second = _cpu_copy(state, first)
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # written in place
+    assert torch.equal(second["model"]["w"], state["model"]["w"])
+    state["model"]["w"] = torch.randn(5, 3)  # a changed shape gets fresh memory
+    third = _cpu_copy(state, second)
+    assert third["model"]["w"].shape == (5, 3) and torch.equal(third["model"]["w"], state["model"]["w"])
+    assert third["optimizer"]["param_groups"] == [{"lr": 0.1}]

@@ -1,0 +1,123 @@
+"""`ddptrain plan`: the scaling model's arithmetic against hand-computed values, its inputs, its CLI errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import one_line_error, run_cli
+from ddptrain import doctor, plan
+from ddptrain.config import TrainConfig, to_toml
+
+MIB = 1 << 20
+
+
+def test_bucket_sizes_follow_ddp_small_first_bucket_then_cap():
+    assert plan.bucket_sizes(100 * MIB, 25 * MIB) == [MIB, 25 * MIB, 25 * MIB, 25 * MIB, 24 * MIB]
+    assert plan.bucket_sizes(MIB // 2, 25 * MIB) == [MIB // 2]
+    assert plan.bucket_sizes(60 * MIB, 25 * MIB, first_bytes=25 * MIB) == [25 * MIB, 25 * MIB, 10 * MIB]
+
+
+def test_ring_all_reduce_time_by_hand():
+    # 2(N-1) alpha + (S/B) 2(N-1)/N with S = 25 MiB, N = 8, B = 10 GB/s, alpha = 10 us:
+    # 14 * 10e-6 + 26214400 / 1e10 * 14 / 8 = 0.00014 + 0.0045875200 = 0.00472752
+    assert plan.ring_all_reduce_s(25 * MIB, 8, 10e9, 10e-6) == pytest.approx(0.00472752, rel=1e-12)
+    assert plan.ring_all_reduce_s(25 * MIB, 1, 10e9, 10e-6) == 0.0
+
+
+def _work(busbw: float) -> plan.Workload:
+    # 100 ms step, 60 ms of it backward; 4 equal buckets of 25 MiB (first bucket as large as the cap).
+    return plan.Workload(step_s=0.1, backward_fraction=0.6, grad_bytes=100 * MIB, busbw_bytes_per_s=busbw,
+                         latency_s=10e-6, bucket_cap_bytes=25 * MIB, first_bucket_bytes=25 * MIB)
+
+
+def test_predict_compute_bound_hides_all_but_the_last_bucket():
+    # Buckets ready at 15, 30, 45, 60 ms; each takes 4.72752 ms, so each starts when ready and the last ends at
+    # 64.72752 ms: 4.72752 ms exposed. Step 104.72752 ms; without overlap 100 + 4 * 4.72752 = 118.91008 ms.
+    p = plan.predict(_work(10e9), 8)
+    assert p.num_buckets == 4
+    assert p.comm_s == pytest.approx(4 * 0.00472752, rel=1e-9)
+    assert p.exposed_s == pytest.approx(0.00472752, rel=1e-9)
+    assert p.step_s == pytest.approx(0.10472752, rel=1e-9)
+    assert p.efficiency == pytest.approx(0.1 / 0.10472752, rel=1e-9)
+    assert p.step_no_overlap_s == pytest.approx(0.11891008, rel=1e-9)
+
+
+def test_predict_communication_bound_queues_the_buckets():
+    # At 1 GB/s a bucket takes 14e-5 + 0.0262144 * 1.75 = 0.0460152 s > 15 ms between buckets: they queue
+    # from the first (ready at 15 ms) and the last ends at 0.015 + 4 * 0.0460152 = 0.1990608 s.
+    p = plan.predict(_work(1e9), 8)
+    assert p.exposed_s == pytest.approx(0.1990608 - 0.06, rel=1e-9)
+    assert p.step_s == pytest.approx(0.1 + 0.1990608 - 0.06, rel=1e-9)
+
+
+def test_one_device_has_no_communication():
+    p = plan.predict(_work(10e9), 1)
+    assert (p.comm_s, p.step_s, p.efficiency) == (0.0, 0.1, 1.0)
+
+
+def test_efficiency_falls_with_scale():
+    effs = [plan.predict(_work(10e9), n).efficiency for n in plan.DEFAULT_GPUS]
+    assert effs == sorted(effs, reverse=True) and 0 < effs[-1] < effs[0] < 1
+
+
+def _doctor_output(world: int) -> str:
+    reports = [doctor.RankReport(rank=r, host="h", addr="10.0.0.1", interface="eth0", device="cpu", torch="2",
+                                 python="3", ddptrain="0.1", code="abc", rendezvous_s=0.1, barrier_ms=0.1,
+                                 run_dir_error="", run_dir_seen=list(range(world)), all_reduce_ok=True)
+               for r in range(world)]
+    sweep = [{"bytes": 1024, "time_ms": 0.05, "algbw_gbps": 0.02, "busbw_gbps": 0.02},
+             {"bytes": 64 * MIB, "time_ms": 20.0, "algbw_gbps": 3.4, "busbw_gbps": 5.0}]
+    return doctor.render(reports, sweep, "gloo", "runs", [])
+
+
+def test_network_read_from_the_doctors_printed_sweep():
+    busbw, alpha, world = plan.network_from_doctor(_doctor_output(4), "doctor.txt")
+    assert world == 4
+    assert busbw == pytest.approx(5.0e9)  # the largest size's busbw
+    assert alpha == pytest.approx(0.05e-3 / 6)  # the smallest size's time over 2(N-1) = 6 hops
+
+
+def _run_dir(tmp_path: Path, ranks: int) -> Path:
+    cfg = TrainConfig(model="mlp", image_size=8, width=32)  # 192*32 + 32 + 32*10 + 10 = 6506 parameters
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(to_toml(cfg))
+    lines = [{"time": 0, "step": 10 * (i + 1), "epoch": 0, "split": "train", "loss": 1.0, "step_time_s": t,
+              "fwd_bwd_s": 0.09, "step_time_s_by_rank": [t] * ranks} for i, t in enumerate([0.5, 0.1, 0.12, 0.1])]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return run
+
+
+def test_compute_read_from_a_one_process_run(tmp_path):
+    step_s, backward, grad_bytes = plan.compute_from_run(_run_dir(tmp_path, 1))
+    assert step_s == pytest.approx(0.1)  # the median after the first (warm-up) line
+    assert backward == pytest.approx(2 / 3 * 0.09 / 0.1)
+    assert grad_bytes == 6506 * 4
+
+
+def test_cli_prints_a_row_per_device_count_and_the_assumptions():
+    proc = run_cli(["plan", "--step_ms", "100", "--grad_mib", "100", "--busbw_gbps", "10", "--gpus", "8,1024"])
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.strip().split(" ")[0] in ("8", "1024")]
+    assert [r[0] for r in rows] == ["8", "1024"]
+    assert "ring all-reduce" in proc.stdout and "efficiency" in proc.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    ([], "--run_dir"),
+    (["--step_ms", "100", "--grad_mib", "10"], "--busbw_gbps"),
+    (["--step_ms", "100", "--grad_mib", "10", "--busbw_gbps", "-1"], "--busbw_gbps"),
+    (["--step_ms", "100", "--grad_mib", "10", "--busbw_gbps", "1", "--gpus", "8,x"], "--gpus"),
+    (["--step_ms", "100", "--grad_mib", "10", "--doctor", "/nonexistent/doctor.txt"], "--doctor"),
+    (["--step_ms", "abc"], "--step_ms"),
+], ids=["no-compute", "no-network", "negative-bandwidth", "bad-gpus", "missing-doctor-file", "not-a-number"])
+def test_cli_usage_errors_are_one_line_exit_2(args, needle):
+    assert needle in one_line_error(run_cli(["plan", *args]))
+
+
+def test_cli_refuses_a_multi_process_run_dir(tmp_path):
+    line = one_line_error(run_cli(["plan", "--run_dir", str(_run_dir(tmp_path, 2)), "--busbw_gbps", "1"]))
+    assert "1 process" in line
