@@ -28,6 +28,9 @@ OPTIONS = [
     ("--compile", ["--compile"], "conv"),
 ]
 WIN_MARGIN = 1.03
+CAVEATS = {"--channels_last": " On CPU, oneDNN's AVX2 backward of 1x1 stride-2 convolutions with fewer than 8 input "
+                              "channels in channels_last corrupts memory and gradients (uxlfoundation/oneDNN#6035; "
+                              "MiniResNet below --width 8), so it cannot be a CPU default whatever its speed."}
 
 
 def options(size: str, work: Path, with_compile: bool = False) -> Plan:
@@ -54,8 +57,8 @@ def options(size: str, work: Path, with_compile: bool = False) -> Plan:
             note = f"{'MiniResNet' if kind == 'conv' else 'MLP 4.7M'}, {block}-step blocks"
             if label == "--compile":
                 note += f"; its first block also compiled: {res['b_s'][0] - median(res['b_s'][warmup:]):.1f} s"
-            note += (". A clear win: worth a default on this kind of machine." if wins else
-                     ". Not a clear win here: the default stays.")
+            note += (". Faster by the margin here (>= 3%, interquartile range above 1)." if wins else
+                     ". Not a clear win here.") + CAVEATS.get(label, "")
             rows.append(Row(f"option {label}", f"option {label}", f"{block / median(res['b_s'][warmup:]):.2f} steps/s",
                             f"{block / median(res['a_s'][warmup:]):.2f} steps/s (defaults)",
                             f"{speedup:.3f}x (IQR {q1:.3f}-{q3:.3f})", "-", None, note,

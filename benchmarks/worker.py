@@ -137,6 +137,19 @@ def time_calls(obj: Any, names: tuple[str, ...]) -> dict[str, list[float]]:
     return spent
 
 
+def handoff_seconds(loader: Any, fetches: int = 6) -> float:
+    """Median seconds `next()` takes when the workers are ahead: the cost of receiving a ready batch."""
+    batches = iter(loader)
+    next(batches)
+    times = []
+    for _ in range(fetches):
+        time.sleep(0.3)  # the workers refill the prefetch queue
+        started = time.perf_counter()
+        next(batches)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
     """One job (all ranks); the result is rank 0's view."""
     if job["mode"] == "pair":
@@ -186,6 +199,8 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
         result["checkpoint_bytes"] = _newest_checkpoint_bytes(cfg)
     else:
         result["step_s"] = callback.step_seconds()
+        if job.get("handoff_probe"):
+            result["handoff_s"] = handoff_seconds(probe.loader)
     result["calls_s"] = {name: {"count": len(times), "median_s": statistics.median(times) if times else 0.0}
                          for name, times in spent.items()}
     for side, counter in counters.items():

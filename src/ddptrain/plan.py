@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import textwrap
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,10 +264,11 @@ def render(work: Workload, predictions: list[Prediction]) -> str:
     widths = [max(len(n), *(len(r[i]) for r in rows)) for i, n in enumerate(names)]
     lines = ["  ".join(n.rjust(w) for n, w in zip(names, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return (f"{header}\n\n" + "\n".join(lines) + "\n\nmodel: ring all-reduce t = 2(N-1)*alpha + (S/B)*2(N-1)/N per "
-            "bucket, buckets reduced in order as backward produces them; efficiency = step(1)/step(N) at a fixed "
-            "per-device batch. Optimistic where devices share a slower inter-node link (pass that busbw), where "
-            "communication slows compute, or with stragglers; `ddptrain plan --help` lists the assumptions.")
+    model = ("model: ring all-reduce t = 2(N-1)*alpha + (S/B)*2(N-1)/N per bucket, buckets reduced in order as "
+             "backward produces them; efficiency = step(1)/step(N) at a fixed per-device batch. Optimistic where "
+             "devices share a slower inter-node link (pass that busbw), where communication slows compute, or with "
+             "stragglers; `ddptrain plan --help` lists the assumptions.")
+    return "\n".join([textwrap.fill(header, 110), "", *lines, "", textwrap.fill(model, 110)])
 
 
 def main(argv: list[str]) -> int:
