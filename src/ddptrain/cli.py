@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ddptrain: error: unknown command {command!r}; use one of {', '.join(handlers)}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        return handlers[command](rest)
+        code = handlers[command](rest)
     except UsageError as exc:
         if os.environ.get("DDPTRAIN_LOCAL_LAUNCH") and os.environ.get("TORCHELASTIC_ERROR_FILE"):  # launch.py
             from ddptrain.observe.watchdog import record_for_launcher
@@ -40,11 +41,16 @@ def main(argv: list[str] | None = None) -> int:
             record_for_launcher(exc)  # a worker of `--nproc`: the launcher prints each distinct error once
         else:
             print(f"ddptrain: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        code = EXIT_USAGE
     except Preempted:
-        return EXIT_PREEMPTED
+        code = EXIT_PREEMPTED
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    # The trainer sits in reference cycles (hooks, LR lambdas) and holds process-group objects. Free them while
+    # the interpreter is whole (the exception and its frames are gone by now): a ProcessGroupGloo freed during
+    # interpreter finalization can abort the process after its work is done (cf. pytorch/pytorch#179291).
+    gc.collect()
+    return code
 
 
 def _lazy(module: str):
