@@ -14,8 +14,10 @@ import sys
 import pytest
 
 from helpers import REPO
-from benchmarks.common import Row, paired_ratios, render_table
-from benchmarks.probe import Interleave, StepProbe
+
+sys.path.insert(0, str(REPO))  # benchmarks/ is a top-level package of the repo, not of the installed one
+from benchmarks.common import Row, paired_ratios, render_table  # noqa: E402
+from benchmarks.probe import Interleave, StepProbe  # noqa: E402
 
 SECTION_KEYS = {"overhead", "overhead_observed", "accumulation", "checkpoint", "data_synthetic", "data_cifar",
                 "startup", "scaling_miniresnet", "scaling_mlp"}

@@ -44,6 +44,7 @@ def test_non_log_steps_read_nothing_from_the_device(tmp_path):
 @pytest.mark.gpu
 def test_no_cuda_sync_in_non_log_steps(tmp_path):
     """torch.cuda.set_sync_debug_mode('error') turns any synchronizing CUDA call into an exception."""
+    sys.path.insert(0, str(REPO))  # benchmarks/ is a top-level package of the repo
     from benchmarks.probe import StepProbe
     from ddptrain.distributed import distributed
     from ddptrain.trainer import Trainer
