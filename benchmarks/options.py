@@ -38,7 +38,11 @@ def options(size: str, work: Path, with_compile: bool = False) -> Plan:
     block, blocks, warmup = {"full": (10, 7, 1), "quick": (10, 4, 1), "tiny": (2, 2, 1)}[size]
     tiny = size == "tiny"
     nets = {"conv": net(BENCH_NET, size), "mlp": net(MID_MLP, size)}
-    chosen = [o for o in OPTIONS if with_compile or o[0] != "--compile"]
+    import torch
+
+    # --channels_last is refused on CPU (oneDNN#6035, see CAVEATS): benchmarks/gpu.sh measures it on CUDA.
+    chosen = [o for o in OPTIONS if (with_compile or o[0] != "--compile")
+              and (o[0] != "--channels_last" or torch.cuda.is_available())]
     jobs = []
     for i, (label, flags, kind) in enumerate(chosen):
         common = [*nets[kind], "--no-progress", "--no-auto_resume", "--save_every", "0"]

@@ -1,10 +1,9 @@
 """How the benchmarks watch ddptrain's real training loop without changing it.
 
-`StepProbe` replaces a Trainer's train loader with a wrapper that yields the same batches and calls back
-at every step boundary — the fetch of a step's first micro-batch, which `Trainer.fit` does at the start
-of each `train_step`. Everything the loop does between two fetches (the step itself, the scheduler, log
-steps, the per-step control all-reduce, saves) lands between two boundaries. The wrapper costs one
-generator hop per micro-batch. At a boundary the callbacks below may:
+`StepProbe` wraps a Trainer's `train_step` on its training thread: it calls back at every step boundary —
+as a step begins, before its first micro-batch is read — and counts the micro-batches the steps read.
+Everything the loop does between two steps (the step itself, the scheduler, log steps, the per-step
+control all-reduce, saves) lands between two boundaries. At a boundary the callbacks below may:
 
 * `Interleave`: run a block of the raw loop, so that ddptrain and the raw loop alternate in blocks of K
   optimizer steps (ABAB...) in the same processes, on the same cores, with the same data and model;
@@ -28,24 +27,21 @@ from benchmarks.raw_loop import sync_device
 
 
 class StepProbe:
-    """Wraps a train loader: same batches, and `on_boundary(steps_done)` before each step's first fetch."""
+    """`on_boundary(steps_done)` as each of `trainer`'s steps begins; `taken` counts micro-batches read."""
 
-    def __init__(self, loader: Any, grad_accum_steps: int, on_boundary: Callable[[int], None]):
-        self.loader, self.accum, self.on_boundary = loader, grad_accum_steps, on_boundary
-        self.taken = 0  # micro-batches handed out so far
+    def __init__(self, trainer: Any, on_boundary: Callable[[int], None]):
+        self.on_boundary = on_boundary
+        self.taken = 0
+        train_step = trainer.train_step
 
-    def __len__(self) -> int:
-        return len(self.loader)
+        def probed(batches: Iterator) -> None:
+            self.on_boundary(trainer.position.step)
+            train_step(self._counted(batches))
 
-    def __iter__(self) -> Iterator:
-        batches = iter(self.loader)
-        while True:
-            if self.taken % self.accum == 0:
-                self.on_boundary(self.taken // self.accum)
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
+        trainer.train_step = probed  # fit() calls self.train_step: an instance attribute wins
+
+    def _counted(self, batches: Iterator) -> Iterator:
+        for batch in batches:
             self.taken += 1
             yield batch
 

@@ -80,9 +80,8 @@ def release_loaders(*loaders: Any) -> None:
     iterator by reference count first shuts the workers down in milliseconds.
     """
     for loader in loaders:
-        inner = getattr(loader, "loader", loader)  # a StepProbe wraps the real DataLoader
-        if inner is not None and hasattr(inner, "_iterator"):
-            inner._iterator = None
+        if loader is not None and hasattr(loader, "_iterator"):
+            loader._iterator = None
 
 
 def train_steps(trainer: Trainer, batches: Any, steps: int) -> float:
@@ -177,8 +176,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
         callback = SaveSchedule(trainer, job["first_save"], job["period"], job["num_saves"])
     else:
         callback = Timeline(ctx.device)
-    probe = StepProbe(trainer.train_loader, cfg.grad_accum_steps, callback)
-    trainer.train_loader = probe
+    probe = StepProbe(trainer, callback)
     if mode == "accumulate":
         counters["ddptrain"] = CommCounter(lambda: (probe.taken - 1) % cfg.grad_accum_steps)
         counters["raw"] = CommCounter(lambda: raw.micro)
@@ -200,7 +198,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
     else:
         result["step_s"] = callback.step_seconds()
         if job.get("handoff_probe"):
-            result["handoff_s"] = handoff_seconds(probe.loader)
+            result["handoff_s"] = handoff_seconds(trainer.train_loader)
     result["calls_s"] = {name: {"count": len(times), "median_s": statistics.median(times) if times else 0.0}
                          for name, times in spent.items()}
     for side, counter in counters.items():

@@ -8,9 +8,9 @@ and counted while optimizer steps 2..log_interval-1 run: the steps that are not 
 fetch of its first micro-batch to the next step's (train_step, scheduler, the step-boundary checks). On a
 GPU each of these waits for the device, so a clean count is what keeps the device fed.
 
-One read is expected and counted apart: `DistributedContext.reduce_flags`, the preemption/timed-save flags
-all-reduced on the gloo control group between steps. That tensor is built on the CPU from Python bools in
-that function on every device, so reading it never waits for an accelerator. Rank 0 writes OUT.json.
+One read is expected and counted apart: `LaggedVote.drain`, the preemption/timed-save flags all-reduced on
+the gloo control group between steps. That tensor is built on the CPU from Python bools on every device, so
+reading it never waits for an accelerator. Rank 0 writes OUT.json.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ddptrain.trainer import Trainer
 
 HOST_READS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__float__", "__int__", "__index__",
               "__format__", "__repr__")
-CONTROL_FLAGS = ("reduce_flags", str(Path("ddptrain") / "distributed.py"))
+CONTROL_FLAGS = ("drain", str(Path("ddptrain") / "distributed.py"))
 
 
 class HostReadCounter:
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> None:
             if counter.active:
                 counted_steps.append(steps_done + 1)
 
-        trainer.train_loader = StepProbe(trainer.train_loader, cfg.grad_accum_steps, on_boundary)
+        StepProbe(trainer, on_boundary)
         trainer.fit()
         counter.active = False
         if ctx.is_main:

@@ -10,6 +10,7 @@ import json
 import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -93,9 +94,25 @@ def test_interleave_runs_the_other_side_every_k_steps_and_stops():
     ran = []
     interleave = Interleave(__import__("torch").device("cpu"), block_steps=2,
                             run_other=lambda n: ran.append(n) or 0.5, settle_s=0.0, max_blocks=3)
-    probe = StepProbe(list(range(20)), grad_accum_steps=2, on_boundary=interleave)
-    assert list(probe) == list(range(20))  # the same batches, in order
+    trainer = StepsOfTwo()
+    probe = StepProbe(trainer, on_boundary=interleave)
+    batches = iter(range(20))
+    for _ in range(10):
+        trainer.train_step(batches)
+        trainer.position.step += 1
+    assert trainer.read == list(range(20)) and probe.taken == 20  # the same batches, in order
     assert len(interleave.ours) == 3 and interleave.theirs == [0.5] * 3 and ran == [2, 2, 2]
+
+
+class StepsOfTwo:
+    """The slice of a Trainer that StepProbe touches: steps of two micro-batches."""
+
+    def __init__(self):
+        self.position = SimpleNamespace(step=0)
+        self.read = []
+
+    def train_step(self, batches):
+        self.read += [next(batches), next(batches)]
 
 
 def test_paired_ratios_skip_warmup_and_table_keeps_notes():

@@ -153,7 +153,7 @@ def test_retention_keeps_the_newest_and_survives_a_failed_delete(tmp_path, monke
 def test_checkpoints_by_wall_time(tmp_path):
     train(tmp_path, "--save_every", "0", "--save_every_minutes", "0.00001", "--keep_last", "0", "--max_steps", "4")
     steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoints").iterdir())
-    assert steps == [1, 2, 3, 4]
+    assert steps == [1, 2, 3, 4]  # a world of one decides at once (a larger world one step later)
 
 
 def test_finished_run_rerun_is_a_no_op(tmp_path):

@@ -121,10 +121,11 @@ BAD_INPUT = {
                                   "--nproc"),
     "sync_batchnorm on CPU": (["--sync_batchnorm"], {}, "--sync_batchnorm"),
     "fp16 on CPU": (["--use_amp", "--amp_dtype", "fp16"], {}, "--amp_dtype fp16"),
+    "channels_last on CPU": (["--channels_last"], {}, "--channels_last"),
     "nccl on CPU": (["--backend", "nccl"], {}, "--backend nccl"),
     "bad value under --nproc": (["--nproc", "2", "--momentum", "-1"], {}, "--momentum"),
 }
-CUDA_ONLY_ERRORS = ("sync_batchnorm on CPU", "fp16 on CPU", "nccl on CPU")
+CUDA_ONLY_ERRORS = ("sync_batchnorm on CPU", "fp16 on CPU", "nccl on CPU", "channels_last on CPU")
 
 
 @pytest.fixture

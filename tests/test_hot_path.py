@@ -62,12 +62,12 @@ def test_no_cuda_sync_in_non_log_steps(tmp_path):
             if strict:
                 checked.append(steps_done + 1)
 
-        trainer.train_loader = StepProbe(trainer.train_loader, cfg.grad_accum_steps, on_boundary)
+        StepProbe(trainer, on_boundary)
         try:
             trainer.fit()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            trainer.train_loader.loader._iterator = None  # stop the workers now (see benchmarks.worker)
+            trainer.train_loader._iterator = None  # stop the workers now (see benchmarks.worker)
     assert checked == [2, 3, 4, 5]
 
 

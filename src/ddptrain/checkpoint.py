@@ -111,14 +111,23 @@ def _torch_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _cpu_copy(obj: Any) -> Any:
-    """A deep copy with every tensor detached onto the CPU (for async saves: training mutates the originals)."""
+def _cpu_copy(obj: Any, reuse: Any = None) -> Any:
+    """A deep copy with every tensor detached onto the CPU (for async saves: training mutates the originals).
+
+    Tensors of `reuse` (an earlier copy of the same structure, no longer read) that match in shape and dtype
+    are copied into instead of allocated: touching fresh memory costs several times the copy itself.
+    """
     if isinstance(obj, torch.Tensor):
+        if (isinstance(reuse, torch.Tensor) and reuse.device.type == "cpu" and reuse.shape == obj.shape
+                and reuse.dtype == obj.dtype):
+            return reuse.copy_(obj.detach())
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
+        old = reuse if isinstance(reuse, dict) else {}
+        return {k: _cpu_copy(v, old.get(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
+        old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
+        return type(obj)(_cpu_copy(v, r) for v, r in zip(obj, old))
     return obj
 
 
@@ -233,6 +242,7 @@ class CheckpointManager:
         self.async_save, self.injector = async_save, injector
         self._thread: threading.Thread | None = None
         self._async_error: str | None = None
+        self._staging: Any = None  # the last async save's CPU copy: its memory is reused by the next one
         self.last_saved_step = -1
 
     def save(self, position: Position, make_snapshot: Callable[[], Snapshot], rng_state: dict[str, Any]) -> None:
@@ -250,8 +260,9 @@ class CheckpointManager:
                 snap = make_snapshot()
                 snap.trainer = {**snap.trainer, "rng": gathered}
                 if self.async_save:
-                    snap = Snapshot(snap.position, _cpu_copy(snap.model), _cpu_copy(snap.optimizer),
-                                    _cpu_copy(snap.trainer), snap.config)
+                    # wait() above joined the previous writer, so its staging copy is free to overwrite.
+                    self._staging = _cpu_copy((snap.model, snap.optimizer, snap.trainer), self._staging)
+                    snap = Snapshot(snap.position, *self._staging, snap.config)
                     self._thread = threading.Thread(target=self._write_in_background, args=(snap,),
                                                     name="ddptrain-checkpoint-writer", daemon=True)
                     self._thread.start()

@@ -154,6 +154,12 @@ class TrainConfig:
         if self.sync_batchnorm and (self.backend == "gloo" or not _cuda_available()):
             raise UsageError("--sync_batchnorm needs CUDA (torch's SyncBatchNorm runs on CUDA only); "
                              "drop the flag for CPU runs")
+        if self.channels_last and not _cuda_available():
+            # Measured on this fleet's CPU build: oneDNN's channels_last backward of some strided 1x1 convs
+            # returns wrong gradients or crashes (uxlfoundation/oneDNN#6035). Silent wrong training is the
+            # worst outcome, so the option is for CUDA only.
+            raise UsageError("--channels_last is for CUDA: on CPU, oneDNN's channels_last convolution backward "
+                             "can return wrong gradients (oneDNN#6035); drop the flag")
         if self.dataset in FILE_DATASETS and not self.data_dir:
             raise UsageError(f"--dataset {self.dataset} reads files: pass --data_dir DIR")
         if self.resume_from and not Path(self.resume_from).is_dir():

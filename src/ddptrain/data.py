@@ -10,11 +10,14 @@ exactly the samples the uninterrupted run would have seen. Random augmentation i
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import random
 import signal
+import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -87,21 +90,25 @@ class SeededSamples(Dataset):
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[int, Any, Any]:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[tuple[int, Any, Any]]:
+        """A whole batch (the DataLoader's batched fetch). In the training process the RNG states are saved
+        and restored once per batch rather than once per sample; each sample is still seeded by its key."""
+        if get_worker_info() is not None:  # a loader worker's RNGs serve nobody else
+            return [self._read(key) for key in keys]
+        saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
+        try:
+            return [self._read(key) for key in keys]
+        finally:
+            torch.set_rng_state(saved[0])
+            np.random.set_state(saved[1])
+            random.setstate(saved[2])
+
+    def _read(self, key: tuple[int, int]) -> tuple[int, Any, Any]:
         epoch, index = key
-        sample_seed = mix_seed(self.seed, epoch, index)
-        if get_worker_info() is not None:
-            _seed_global_rngs(sample_seed)
-            item = self.dataset[index]
-        else:
-            saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
-            _seed_global_rngs(sample_seed)
-            try:
-                item = self.dataset[index]
-            finally:
-                torch.set_rng_state(saved[0])
-                np.random.set_state(saved[1])
-                random.setstate(saved[2])
-        inputs, target = item
+        _seed_global_rngs(mix_seed(self.seed, epoch, index))
+        inputs, target = self.dataset[index]
         return index, inputs, target
 
 
@@ -202,6 +209,76 @@ def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
     from ddptrain import formats  # file formats: imported only when asked for
 
     return formats.build(cfg)
+
+
+_END = object()
+
+
+class _Failed:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class BackgroundBatches:
+    """Takes the loader workers' batches on a thread, off the training thread.
+
+    Receiving a ready batch from a worker (unpickling, mapping its shared memory) costs milliseconds per batch.
+    On CUDA, torch's pin-memory thread already does this in the background; this does the same on CPU. Only
+    for loaders with workers: without them, reading a sample seeds the global RNGs the training thread uses.
+    """
+
+    def __init__(self, iterator: Iterator, depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, args=(iterator,), name="ddptrain-batches", daemon=True)
+        self._thread.start()
+
+    def _pump(self, iterator: Iterator) -> None:
+        try:
+            for batch in iterator:
+                if not self._put(batch):
+                    return
+            self._put(_END)
+        except BaseException as exc:  # the training thread re-raises it, with its traceback
+            self._put(_Failed(exc))
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> BackgroundBatches:
+        return self
+
+    def __next__(self) -> Any:
+        item = self._queue.get()
+        if item is _END:
+            raise StopIteration
+        if isinstance(item, _Failed):
+            raise item.exc
+        return item
+
+    def close(self) -> None:
+        """Stop and join the thread: a persistent-worker loader must not be iterated by two threads."""
+        self._stop.set()
+        self._thread.join()
+
+
+@contextlib.contextmanager
+def epoch_batches(loader: Iterable, background: bool) -> Iterator[Iterator]:
+    """The batches of one pass over `loader`; with `background`, received on a thread (see above)."""
+    if not background:
+        yield iter(loader)
+        return
+    batches = BackgroundBatches(iter(loader))
+    try:
+        yield batches
+    finally:
+        batches.close()
 
 
 def _worker_init(worker_id: int) -> None:

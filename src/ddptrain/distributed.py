@@ -137,6 +137,41 @@ class DistributedContext:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+class LaggedVote:
+    """A MAX over ranks of a few flags, started at one step boundary and read at the next.
+
+    Deciding one step later costs nothing (a preemption or a timed save waits one more step) and takes the
+    collective off the critical path: it runs under the next step's compute instead of stalling between
+    steps. Every rank reads the same result at the same step, so decisions stay identical.
+    """
+
+    def __init__(self, ctx: DistributedContext):
+        self.ctx = ctx
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+
+    def exchange(self, flags: list[float]) -> list[float]:
+        """Send this step's flags; return the reduced flags of the previous call (zeros the first time).
+
+        Must be called on all ranks, at the same steps. A world of one decides at once.
+        """
+        if self.ctx.world_size == 1:
+            return flags
+        previous = self.drain() or [0.0] * len(flags)
+        tensor = torch.tensor(flags, dtype=torch.float64)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
+        self._pending = (work, tensor)
+        return previous
+
+    def drain(self) -> list[float] | None:
+        """Wait for the vote in flight, if any, and return its result. All ranks."""
+        if self._pending is None:
+            return None
+        work, tensor = self._pending
+        self._pending = None
+        work.wait()
+        return tensor.tolist()
+
+
 def _pick_device(backend: str, local_rank: int) -> torch.device:
     if torch.cuda.is_available() and backend == "nccl":
         if local_rank >= torch.cuda.device_count():

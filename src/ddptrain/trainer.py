@@ -26,8 +26,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddptrain.checkpoint import CheckpointManager, Loaded, Position, Snapshot, write_atomic
 from ddptrain.config import TrainConfig
-from ddptrain.data import BatchLayout, GlobalOrderSampler, ShardedEvalSampler, build_datasets, make_loader, mix_seed
-from ddptrain.distributed import DistributedContext
+from ddptrain.data import (BatchLayout, GlobalOrderSampler, ShardedEvalSampler, build_datasets, epoch_batches,
+                           make_loader, mix_seed)
+from ddptrain.distributed import DistributedContext, LaggedVote
 from ddptrain.errors import Preempted, TrainingError, UsageError
 from ddptrain.faults import FaultInjector
 from ddptrain.models import build_model
@@ -144,6 +145,9 @@ class Trainer:
                              f"{self.num_train} training samples; lower one of them")
         self.sampler = GlobalOrderSampler(self.num_train, self.layout, ctx.rank, cfg.seed)
         self.train_loader = make_loader(train_ds, self.sampler, cfg, device, seed=mix_seed(cfg.seed, 4, ctx.rank))
+        # With loader workers on CPU, a thread takes their batches off the training thread (on CUDA, torch's
+        # pin-memory thread does). Without workers, reading a sample seeds the global RNGs: no thread then.
+        self._background_batches = device.type == "cpu" and cfg.num_workers > 0
         self.eval_loader = None
         if eval_ds is not None and len(eval_ds) > 0:
             eval_sampler = ShardedEvalSampler(len(eval_ds), cfg.batch_size, ctx.rank, ctx.world_size)
@@ -196,6 +200,7 @@ class Trainer:
         self.profiler = StepProfiler(cfg.enable_profiling, run_dir, ctx.rank, cfg.profile_wait,
                                      cfg.profile_warmup, cfg.profile_active)
         self.signals = StopSignals()
+        self._vote = LaggedVote(ctx)
         self.clock = Clock(device)
         self._module_started: Any = None
         if self.ddp is not None and not cfg.compile:
@@ -229,19 +234,20 @@ class Trainer:
             # Each pass of this loop is (the rest of) one epoch: the sampler resumes at the cursor.
             while pos.epoch < cfg.epochs and pos.step < self.total_steps:
                 self.sampler.set_position(pos.epoch, pos.cursor)
-                batches = iter(self.train_loader)
-                while pos.cursor + self.layout.global_batch_size <= self.num_train and pos.step < self.total_steps:
-                    self.train_step(batches)
-                    pos.step += 1
-                    pos.cursor += self.layout.global_batch_size
-                    self.scheduler.step()
-                    self.profiler.step()
-                    if pos.step == 1 + self._first_step:
-                        # Tier two: the generous init timeout covered rendezvous and the first step.
-                        self.ctx.set_collective_timeout(cfg.collective_timeout_s)
-                    if pos.step % cfg.log_interval == 0:
-                        self._log_train(bar)
-                    self._between_steps()
+                with epoch_batches(self.train_loader, background=self._background_batches) as batches:
+                    while (pos.cursor + self.layout.global_batch_size <= self.num_train
+                           and pos.step < self.total_steps):
+                        self.train_step(batches)
+                        pos.step += 1
+                        pos.cursor += self.layout.global_batch_size
+                        self.scheduler.step()
+                        self.profiler.step()
+                        if pos.step == 1 + self._first_step:
+                            # Tier two: the generous init timeout covered rendezvous and the first step.
+                            self.ctx.set_collective_timeout(cfg.collective_timeout_s)
+                        if pos.step % cfg.log_interval == 0:
+                            self._log_train(bar)
+                        self._between_steps()
                 if pos.step >= self.total_steps and pos.cursor + self.layout.global_batch_size <= self.num_train:
                     break  # --max_steps ended the run mid-epoch
                 # The epoch is complete: evaluate, move the cursor to the next epoch, maybe save.
@@ -255,6 +261,7 @@ class Trainer:
                 self._log_train(bar)
             if not last_eval or last_eval["step"] != pos.step:
                 last_eval = self.evaluate()
+            self._vote.drain()  # a preemption flag still in flight is moot: the final save follows
             self._check_replicas()
             self.save()
             self.checkpoints.wait()
@@ -381,15 +388,16 @@ class Trainer:
 
     # --- between steps: control flags, saves -----------------------------------------------------
     def _between_steps(self) -> None:
-        """Act on preemption and timed saves at a step boundary, with one tiny CPU all-reduce.
+        """Act on preemption and timed saves at a step boundary, agreed by one tiny CPU all-reduce.
 
         Signals and clocks differ between ranks; the MAX over ranks makes the decision the same everywhere.
+        The vote is read one step after it is cast (see `LaggedVote`), so nothing waits for it.
         """
         cfg, step = self.cfg, self.position.step
         self.watchdog.phase("sync")
         due_by_time = (self.ctx.is_main and cfg.save_every_minutes > 0
                        and time.monotonic() - self._last_save_time >= 60 * cfg.save_every_minutes)
-        preempt, timed = self.ctx.reduce_flags([self.signals.received is not None, due_by_time])
+        preempt, timed = self._vote.exchange([self.signals.received is not None, due_by_time])
         if preempt:
             self.save()
             self.checkpoints.wait()
