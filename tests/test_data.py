@@ -128,7 +128,7 @@ def test_loader_workers_read_the_same_samples_as_the_main_process():
         cfg = TrainConfig(num_workers=workers)
         sampler = GlobalOrderSampler(16, layout, 0, seed=11)
         loader = make_loader(JitterDataset(), sampler, cfg, torch.device("cpu"), seed=workers)
-        read[workers] = [(ids.tolist(), inputs) for ids, inputs, _ in loader]
+        read[workers] = [(ids, inputs) for ids, inputs, _ in loader]
     assert [ids for ids, _ in read[0]] == [ids for ids, _ in read[2]]
     for (_, a), (_, b) in zip(read[0], read[2]):
         assert torch.equal(a, b)

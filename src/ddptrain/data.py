@@ -22,7 +22,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
 from ddptrain.config import TrainConfig, load_plugin
 from ddptrain.errors import UsageError
@@ -48,6 +48,8 @@ class SyntheticImages(Dataset):
     Each image is Gaussian noise plus one of `num_classes` smooth prototype patterns; its label is the
     prototype it correlates with most — a deterministic function of the image, so accuracy can rise.
     """
+
+    uses_global_rng = False  # every sample comes from its own generator: SeededSamples need not seed for it
 
     def __init__(self, size: int, num_classes: int, channels: int, image_size: int, seed: int, offset: int = 0):
         self.size, self.num_classes, self.offset, self.seed = size, num_classes, offset, seed
@@ -80,11 +82,13 @@ class SeededSamples(Dataset):
     Before reading a sample, the global RNGs (torch CPU, numpy, random) are seeded from
     (seed, epoch, index), so random augmentation in any dataset — plug-ins included — is a function of
     the sample, not of the worker or rank that reads it. In the training process itself (no loader
-    workers) the RNG states are restored afterwards, so dropout's stream is untouched.
+    workers) the RNG states are restored afterwards, so dropout's stream is untouched. A dataset whose class
+    sets `uses_global_rng = False` (its items draw nothing from those RNGs) is read without any of this.
     """
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset, self.seed = dataset, seed
+        self.seeded = getattr(dataset, "uses_global_rng", True)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -95,7 +99,7 @@ class SeededSamples(Dataset):
     def __getitems__(self, keys: list[tuple[int, int]]) -> list[tuple[int, Any, Any]]:
         """A whole batch (the DataLoader's batched fetch). In the training process the RNG states are saved
         and restored once per batch rather than once per sample; each sample is still seeded by its key."""
-        if get_worker_info() is not None:  # a loader worker's RNGs serve nobody else
+        if not self.seeded or get_worker_info() is not None:  # a loader worker's RNGs serve nobody else
             return [self._read(key) for key in keys]
         saved = (torch.get_rng_state(), np.random.get_state(), random.getstate())
         try:
@@ -107,7 +111,8 @@ class SeededSamples(Dataset):
 
     def _read(self, key: tuple[int, int]) -> tuple[int, Any, Any]:
         epoch, index = key
-        _seed_global_rngs(mix_seed(self.seed, epoch, index))
+        if self.seeded:
+            _seed_global_rngs(mix_seed(self.seed, epoch, index))
         inputs, target = self.dataset[index]
         return index, inputs, target
 
@@ -294,6 +299,13 @@ def _worker_init(worker_id: int) -> None:
     random.seed(seed)
 
 
+def collate(items: list[tuple[int, Any, Any]]) -> tuple[list[int], Any, Any]:
+    """(indices as a list, stacked inputs, stacked targets): the ids travel with the batch's pickle instead of
+    as a third shared-memory tensor, whose handoff from a loader worker would cost as much as a big one's."""
+    indices, inputs, targets = zip(*items)
+    return list(indices), default_collate(list(inputs)), default_collate(list(targets))
+
+
 def make_loader(dataset: Dataset, batch_sampler: Any, cfg: TrainConfig, device: torch.device,
                 seed: int) -> DataLoader:
     """A DataLoader over `SeededSamples` keys; yields (indices, inputs, targets) batches."""
@@ -301,6 +313,7 @@ def make_loader(dataset: Dataset, batch_sampler: Any, cfg: TrainConfig, device: 
     return DataLoader(
         SeededSamples(dataset, cfg.seed),
         batch_sampler=batch_sampler,
+        collate_fn=collate,
         num_workers=workers,
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,  # no re-fork of workers (and re-import of the dataset) per epoch

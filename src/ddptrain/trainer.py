@@ -224,13 +224,13 @@ class Trainer:
         """
         cfg, pos = self.cfg, self.position
         started = time.perf_counter()
-        self._resume()
         last_eval: dict[str, float] = {}
-        if pos.step >= self.total_steps or pos.epoch >= cfg.epochs:
-            log.info("run already complete at step %d in %s; nothing to train (use another --run_dir, or "
-                     "--no-auto_resume to start over)", pos.step, self.run_dir)
-        bar = ProgressBar(cfg.progress and self.ctx.is_main, self.total_steps, initial=pos.step)
-        with self.signals, self.watchdog, self.profiler:
+        with self.signals, self.watchdog, self.profiler, self._outputs_closed_at_exit():
+            self._resume()
+            if pos.step >= self.total_steps or pos.epoch >= cfg.epochs:
+                log.info("run already complete at step %d in %s; nothing to train (use another --run_dir, or "
+                         "--no-auto_resume to start over)", pos.step, self.run_dir)
+            bar = ProgressBar(cfg.progress and self.ctx.is_main, self.total_steps, initial=pos.step)
             # Each pass of this loop is (the rest of) one epoch: the sampler resumes at the cursor.
             while pos.epoch < cfg.epochs and pos.step < self.total_steps:
                 self.sampler.set_position(pos.epoch, pos.cursor)
@@ -289,7 +289,7 @@ class Trainer:
             ids, inputs, targets = next(batches)
             self._data_wait += time.perf_counter() - waited
             if self._sample_log is not None:
-                self._sample_log.write(json.dumps({"step": step, "micro": micro, "ids": ids.tolist()}) + "\n")
+                self._sample_log.write(json.dumps({"step": step, "micro": micro, "ids": ids}) + "\n")
             inputs = inputs.to(self.ctx.device, non_blocking=True)
             targets = targets.to(self.ctx.device, non_blocking=True)
             if cfg.channels_last and inputs.dim() == 4:
@@ -493,9 +493,9 @@ class Trainer:
         """Reduce the window's numbers over ranks and write one train line. The step's only host sync."""
         self.watchdog.phase("log")
         cfg, ctx, pos = self.cfg, self.ctx, self.position
-        sums = torch.stack([self._win_loss, self._win_count, self._win_bad_loss])
-        dist.all_reduce(sums)
-        loss_sum, count, bad_loss = sums.tolist()
+        # The window's numbers come to the host here, once; one gather on the CPU control group then gives
+        # every rank every rank's sums and timings: a single collective per log step.
+        loss_sum, count, bad_loss = torch.stack([self._win_loss, self._win_count, self._win_bad_loss]).tolist()
         window_base = (pos.step - 1) // cfg.log_interval * cfg.log_interval
         bad_steps = [window_base + i + 1 for i, flag in enumerate(self._win_bad_steps.tolist()) if flag]
         elapsed = time.perf_counter() - self._window_started
@@ -506,11 +506,15 @@ class Trainer:
         for spans in self._spans:
             for name, start, end in spans:
                 breakdown[name] += self.clock.seconds(start, end)
-        # Per-rank timing for straggler detection: step time and data wait, gathered on the control group.
+        # Per-rank timing for straggler detection: step time, data wait and own time (data wait + forward).
         own = (self._data_wait + breakdown["forward"]) / max(steps, 1)
-        per_rank = ctx.gather_floats([elapsed / max(steps, 1), self._data_wait / max(steps, 1), own])
-        if bad_steps or bad_loss:
-            self._report_nonfinite(bad_steps)
+        rows = ctx.gather_floats([loss_sum, count, bad_loss, elapsed / max(steps, 1), self._data_wait / max(steps, 1),
+                                  own])
+        loss_sum, count = sum(r[0] for r in rows), sum(r[1] for r in rows)
+        bad_loss_ranks = [rank for rank, r in enumerate(rows) if r[2] > 0]
+        per_rank = [r[3:] for r in rows]
+        if bad_steps or bad_loss_ranks:
+            self._report_nonfinite(bad_steps, bad_loss_ranks)
         if ctx.is_main:
             samples_per_sec = steps * self.layout.global_batch_size / elapsed if elapsed > 0 else 0.0
             record = {
@@ -562,11 +566,9 @@ class Trainer:
                 "step_time_s_by_rank": [round(t, 6) for t in times],
                 "data_wait_s_by_rank": [round(w, 6) for _, w, _ in per_rank]}
 
-    def _report_nonfinite(self, bad_steps: list[int]) -> None:
-        """Name the steps and the ranks whose own loss was non-finite. All ranks (a small gather)."""
-        local_bad = float(self._win_bad_loss)
-        ranks = [r for r, (n,) in enumerate(self.ctx.gather_floats([local_bad])) if n > 0]
-        where = f"non-finite loss on rank(s) {ranks}" if ranks else "non-finite gradients"
+    def _report_nonfinite(self, bad_steps: list[int], bad_loss_ranks: list[int]) -> None:
+        """Name the steps and the ranks whose own loss was non-finite."""
+        where = f"non-finite loss on rank(s) {bad_loss_ranks}" if bad_loss_ranks else "non-finite gradients"
         if self.ctx.is_main:
             log.warning("non-finite gradient norm at step(s) %s (%s): update skipped (--on_nonfinite skip)",
                         bad_steps, where)
@@ -619,10 +621,17 @@ class Trainer:
             state = {k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()}
             write_atomic(self.run_dir / "model.safetensors",
                          safetensors.torch.save(state, metadata={"step": str(self.position.step)}))
-        if self._sample_log is not None:
-            self._sample_log.close()
-        if self.sinks is not None:
-            self.sinks.close()
+
+    @contextlib.contextmanager
+    def _outputs_closed_at_exit(self) -> Iterator[None]:
+        """Metric lines and sample ids already produced reach the disk however `fit` ends."""
+        try:
+            yield
+        finally:
+            if self._sample_log is not None:
+                self._sample_log.close()
+            if self.sinks is not None:
+                self.sinks.close()
 
     def _summary(self, last_eval: dict[str, float], elapsed: float) -> dict[str, Any]:
         summary = {"step": self.position.step, "epoch": self.position.epoch, "elapsed_s": elapsed,
