@@ -15,7 +15,7 @@ import pipeline_runs as runs
 from helpers import read_jsonl
 from ddptrain.config import TrainConfig
 from ddptrain.data import (BatchLayout, GlobalOrderSampler, SeededSamples, ShardedEvalSampler, SyntheticImages,
-                           epoch_order, make_loader)
+                           draws_from_global_rngs, epoch_order, make_loader)
 
 
 def epoch_samples(num_samples: int, layout: BatchLayout, seed: int, epoch: int) -> list[list[list[int]]]:
@@ -119,6 +119,25 @@ def test_augmentation_is_a_function_of_the_sample_not_of_the_reader():
     assert torch.equal(torch.get_rng_state(), state), "reading a sample moved the training RNG"
     assert not torch.equal(seeded[(4, 5)][1], first), "a new epoch must draw new augmentation"
     assert not torch.equal(seeded[(3, 6)][1], first)
+
+
+class JitteredSynthetic(SyntheticImages):
+    """A subclass of a dataset that promises `uses_global_rng = False`, adding augmentation from the global RNG."""
+
+    def __getitem__(self, index: int):
+        image, label = super().__getitem__(index)
+        return image + torch.randn_like(image), label
+
+
+def test_seeding_is_skipped_only_where_the_reading_class_promises_it():
+    shape = dict(num_classes=10, channels=1, image_size=4, seed=0)
+    assert not draws_from_global_rngs(SyntheticImages(8, **shape))
+    assert draws_from_global_rngs(JitterDataset())
+    jittered = SeededSamples(JitteredSynthetic(8, **shape), seed=11)
+    assert jittered.seeded, "an overriding __getitem__ must not inherit its parent's promise"
+    first = jittered[(0, 3)][1]
+    torch.manual_seed(99)
+    assert torch.equal(jittered[(0, 3)][1], first), "the subclass's augmentation must be seeded per sample"
 
 
 def test_loader_workers_read_the_same_samples_as_the_main_process():

@@ -88,7 +88,7 @@ class SeededSamples(Dataset):
 
     def __init__(self, dataset: Dataset, seed: int):
         self.dataset, self.seed = dataset, seed
-        self.seeded = getattr(dataset, "uses_global_rng", True)
+        self.seeded = draws_from_global_rngs(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -297,6 +297,16 @@ def _worker_init(worker_id: int) -> None:
     seed = torch.initial_seed()
     np.random.seed(seed & 0xFFFFFFFF)
     random.seed(seed)
+
+
+def draws_from_global_rngs(dataset: Dataset) -> bool:
+    """False only where the class that implements `__getitem__` itself declares `uses_global_rng = False`.
+
+    The declaration is a promise about that one method: a subclass that overrides `__getitem__` (to add
+    augmentation, say) does not inherit it and is seeded per sample unless it declares it again.
+    """
+    owner = next((cls for cls in type(dataset).__mro__ if "__getitem__" in vars(cls)), type(dataset))
+    return vars(owner).get("uses_global_rng", True) is not False
 
 
 def collate(items: list[tuple[int, Any, Any]]) -> tuple[list[int], Any, Any]:
