@@ -98,9 +98,9 @@ def overhead(size: str, work: Path) -> Plan:
                          "10 the cost is a tenth.")
             elif not passed:
                 note += (" MISS: per step ddptrain adds a tiny CPU all-reduce on the control group (preemption "
-                         "and timed-save agreement), the global gradient norm (non-finite guard), on-device loss "
-                         "sums and per-sample RNG seeding in the loader workers; on a loaded 2-core machine every "
-                         "extra collective also waits for the other rank to be scheduled.")
+                         "and timed-save agreement, read one step late), the global gradient norm (non-finite "
+                         "guard) and on-device loss sums, and a log step every --log_interval steps; on a 2-core "
+                         "machine the extra collective's gloo thread also takes CPU from the other work.")
             rows.append(Row(key, label, f"{1 / ours:.2f} steps/s", f"{1 / theirs:.2f} steps/s (raw DDP)",
                             f"{ratio:.3f} ({spread(ratios)})", f">= {target}", passed, note,
                             {"ratios": ratios, "ddptrain_step_s": ours, "raw_step_s": theirs, "block_steps": block,
@@ -235,9 +235,10 @@ def data(size: str, work: Path) -> Plan:
             wait_ms, handoff_ms = 1000 * max(waits) / len(lines), 1000 * res["handoff_s"]
             note = (f"worst rank waits {wait_ms:.2f} ms per {1000 * total / len(lines):.1f} ms step ({len(lines)} log "
                     f"windows after the first; 2 loader workers per rank, prefetch 4). Receiving a batch that is "
-                    f"already made costs {handoff_ms:.2f} ms: the shared-memory handoff of its 3 tensors (ids, "
-                    "inputs, targets), each fetched from the worker over a socket (torch's file_descriptor "
-                    "sharing).")
+                    f"already made costs {handoff_ms:.2f} ms: the shared-memory handoff of its 2 tensors (inputs, "
+                    "targets; the ids travel in the pickle), each fetched from the worker over a socket (torch's "
+                    "file_descriptor sharing) - on CPU by a background thread of the training process, so the "
+                    "step does not wait for it.")
             if not passed:
                 cause = ("the handoff itself, not a starved loader" if handoff_ms >= 0.5 * wait_ms else
                          "workers not scheduled in time: they share the 2 cores with the 2 training processes")

@@ -71,19 +71,6 @@ def all_reduce_sweep(ctx: DistributedContext, sizes: list[int], iters: int) -> l
     return rows
 
 
-def release_loaders(*loaders: Any) -> None:
-    """Stop loader workers now, while their queues are alive.
-
-    A Trainer sits in reference cycles (hooks hold bound methods), so it is freed by the cyclic garbage
-    collector, which finalizes the loader's queues before the loader iterator's __del__ asks the workers
-    to stop: the stop message is never sent and every worker costs a 5 s join timeout. Dropping the
-    iterator by reference count first shuts the workers down in milliseconds.
-    """
-    for loader in loaders:
-        if loader is not None and hasattr(loader, "_iterator"):
-            loader._iterator = None
-
-
 def train_steps(trainer: Trainer, batches: Any, steps: int) -> float:
     """`steps` optimizer steps of the trainer's own train_step (no log steps); wall seconds."""
     sync_device(trainer.ctx.device)
@@ -113,7 +100,7 @@ def run_pair(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
             times[side].append(train_steps(trainers[side], iterators[side], job["block_steps"]))
     del iterators
     for trainer in trainers:
-        release_loaders(trainer.train_loader, trainer.eval_loader)
+        trainer.close()
     del trainers
     gc.collect()
     return {"name": job["name"], "mode": "pair", "world_size": ctx.world_size, "a_s": times[0], "b_s": times[1]}
@@ -206,7 +193,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
     if ctx.is_main:
         result["metrics"] = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["split"] == "train"]
     result["wall_s"] = time.perf_counter() - started
-    release_loaders(trainer.train_loader, trainer.eval_loader)
+    trainer.close()
     if mode in ("interleave", "accumulate"):
         raw._batches = None
     del trainer, callback

@@ -129,3 +129,6 @@ def run_worker(cfg) -> int:
                              f"{netinfo.lost_peers_note(str(exc), ctx.hosts, ctx.addrs, ctx.addr)}\n")
             record_for_launcher(exc)
             return EXIT_FAILURE
+        finally:
+            if trainer is not None:
+                trainer.close()  # loader workers stop now, not at a garbage collection after the group is gone

@@ -622,6 +622,18 @@ class Trainer:
             write_atomic(self.run_dir / "model.safetensors",
                          safetensors.torch.save(state, metadata={"step": str(self.position.step)}))
 
+    def close(self) -> None:
+        """Stop the loaders' worker processes now. Safe to call more than once; `fit` cannot run after it.
+
+        A Trainer sits in reference cycles (forward hooks hold bound methods), so without this it is freed
+        by the cyclic garbage collector, which can finalize a loader's queues before the loader's iterator
+        asks its workers to stop: the stop message is then never sent and every worker costs a 5 s join
+        timeout. Dropping the iterators while everything is alive shuts the workers down in milliseconds.
+        """
+        for loader in (self.train_loader, self.eval_loader):
+            if loader is not None:
+                loader._iterator = None  # persistent workers: the iterator's __del__ sends them the stop
+
     @contextlib.contextmanager
     def _outputs_closed_at_exit(self) -> Iterator[None]:
         """Metric lines and sample ids already produced reach the disk however `fit` ends."""
