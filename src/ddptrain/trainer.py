@@ -623,7 +623,7 @@ class Trainer:
                          safetensors.torch.save(state, metadata={"step": str(self.position.step)}))
 
     def close(self) -> None:
-        """Stop the loaders' worker processes now. Safe to call more than once; `fit` cannot run after it.
+        """Stop the loaders' worker processes now. Safe to call twice; a later `fit` would start new ones.
 
         A Trainer sits in reference cycles (forward hooks hold bound methods), so without this it is freed
         by the cyclic garbage collector, which can finalize a loader's queues before the loader's iterator
