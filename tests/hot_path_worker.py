@@ -81,6 +81,7 @@ def main(argv: list[str]) -> None:
         StepProbe(trainer, on_boundary)
         trainer.fit()
         counter.active = False
+        trainer.close()
         if ctx.is_main:
             out.write_text(json.dumps({"reads": counter.reads, "control_reads": counter.control_reads,
                                        "steps": counted_steps, "world_size": ctx.world_size}))

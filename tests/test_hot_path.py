@@ -7,6 +7,7 @@ sync debug mode raises on any synchronizing call, Python or C++, during non-log 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -15,11 +16,12 @@ import sys
 import pytest
 import torch
 
+from fault_plugins import AugmentedImages
 from helpers import REPO, TINY, cli_env
 from ddptrain.checkpoint import _cpu_copy
 from ddptrain.config import resolve_config
 from ddptrain.data import SeededSamples, SyntheticImages, make_loader
-from ddptrain.trainer import build_optimizer
+from ddptrain.trainer import Trainer, build_optimizer
 
 # A conv net with BatchNorm (DDP broadcasts its buffers every forward) and accumulation (no_sync).
 CONV = ["--model", "mini_resnet", "--width", "8", "--batch_size", "8", "--dataset_size", "4096",
@@ -44,10 +46,8 @@ def test_non_log_steps_read_nothing_from_the_device(tmp_path):
 @pytest.mark.gpu
 def test_no_cuda_sync_in_non_log_steps(tmp_path):
     """torch.cuda.set_sync_debug_mode('error') turns any synchronizing CUDA call into an exception."""
-    sys.path.insert(0, str(REPO))  # benchmarks/ is a top-level package of the repo
     from benchmarks.probe import StepProbe
     from ddptrain.distributed import distributed
-    from ddptrain.trainer import Trainer
 
     cfg = resolve_config([*TINY, *CONV, "--backend", "nccl", "--run_dir", str(tmp_path)])
     with distributed("nccl", 60, tmp_path) as ctx:
@@ -67,7 +67,7 @@ def test_no_cuda_sync_in_non_log_steps(tmp_path):
             trainer.fit()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            trainer.train_loader._iterator = None  # stop the workers now (see benchmarks.worker)
+            trainer.close()
     assert checked == [2, 3, 4, 5]
 
 
@@ -77,9 +77,9 @@ def test_step_settings_that_avoid_known_traps(tmp_path):
     for optimizer in ("sgd", "adamw"):
         cfg.optimizer = optimizer
         assert build_optimizer(cfg, params, 0.1).defaults["fused"] is True  # one kernel; on-device inf skip
-    source = (REPO / "src" / "ddptrain" / "trainer.py").read_text()
+    source = inspect.getsource(Trainer.train_step)
     assert "zero_grad(set_to_none=True)" in source
-    assert source.count("non_blocking=True") >= 2
+    assert source.count("non_blocking=True") >= 2  # inputs and targets
     cfg.num_workers = 0
     data = SyntheticImages(8, 2, 1, 4, seed=0)
     assert make_loader(data, [[(0, 0)]], cfg, torch.device("cuda"), seed=0).pin_memory is True
@@ -88,11 +88,15 @@ def test_step_settings_that_avoid_known_traps(tmp_path):
 
 def test_batched_fetch_seeds_each_sample_and_restores_the_rngs():
     """SeededSamples.__getitems__ (one RNG save/restore per batch) equals per-sample reads exactly."""
-    seeded = SeededSamples(SyntheticImages(64, 10, 3, 8, seed=1), seed=5)
+    seeded = SeededSamples(AugmentedImages(64, 10, 3, 8, seed=1), seed=5)  # augmentation from the global RNG
+    assert seeded.seeded
     keys = [(2, i) for i in range(0, 64, 5)]
+    torch.manual_seed(9)
+    untouched = torch.rand(3)
     torch.manual_seed(9)
     one_by_one = [seeded[key] for key in keys]
     after_one_by_one = torch.rand(3)
+    assert torch.equal(after_one_by_one, untouched), "reading samples moved the training RNG"
     torch.manual_seed(9)
     batched = seeded.__getitems__(keys)
     assert torch.equal(torch.rand(3), after_one_by_one)

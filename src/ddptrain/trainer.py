@@ -147,7 +147,7 @@ class Trainer:
         self.train_loader = make_loader(train_ds, self.sampler, cfg, device, seed=mix_seed(cfg.seed, 4, ctx.rank))
         # With loader workers on CPU, a thread takes their batches off the training thread (on CUDA, torch's
         # pin-memory thread does). Without workers, reading a sample seeds the global RNGs: no thread then.
-        self._background_batches = device.type == "cpu" and cfg.num_workers > 0
+        self._background_batches = device.type == "cpu" and self.train_loader.num_workers > 0
         self.eval_loader = None
         if eval_ds is not None and len(eval_ds) > 0:
             eval_sampler = ShardedEvalSampler(len(eval_ds), cfg.batch_size, ctx.rank, ctx.world_size)
