@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
-SIZES = ("full", "quick", "tiny")
 
 
 class BenchError(RuntimeError):

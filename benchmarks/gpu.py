@@ -24,6 +24,7 @@ from pathlib import Path
 
 from benchmarks.common import (REPO, BenchError, Launch, Row, fmt_ms, load_average, median, paired_ratios,
                                render_table, run_launch)
+from ddptrain.observe import perf
 
 BUDGET_S = 460  # of the 8 minutes; gpu.sh kills at 480
 MODELS = [("MiniResNet-64 32px", ["--model", "mini_resnet", "--width", "64", "--image_size", "32",
@@ -33,7 +34,8 @@ MODELS = [("MiniResNet-64 32px", ["--model", "mini_resnet", "--width", "64", "--
 VARIANTS = [("bf16", ["--use_amp", "--amp_dtype", "bf16"]),
             ("bf16+channels_last", ["--use_amp", "--amp_dtype", "bf16", "--channels_last"]),
             ("bf16+channels_last+compile", ["--use_amp", "--amp_dtype", "bf16", "--channels_last", "--compile"])]
-# Seconds a launch is expected to need (start, warm-up, 7 block pairs; compiling both models dominates the last).
+# Seconds a launch is expected to need (start, a warm-up pair, 6 block pairs or 4 compiled; compiling both
+# models dominates the last).
 EXPECTED_S = {"bf16": 60, "bf16+channels_last": 60, "bf16+channels_last+compile": 200}
 
 
@@ -64,12 +66,10 @@ def row(name: str, res: dict, block: int) -> Row:
     ratios = paired_ratios(res["ours_s"], res["theirs_s"], 1)
     ours, theirs = median(res["ours_s"][1:]) / block, median(res["theirs_s"][1:]) / block
     images = res["global_batch_size"]
-    mfu = ""
-    if res["peak_tflops"] and res["flops_per_sample"]:
-        per_gpu = images / ours / res["world_size"]
-        mfu = f", MFU {100 * per_gpu * res['flops_per_sample'] / (res['peak_tflops'] * 1e12):.1f}%"
+    utilisation = perf.mfu(images / ours / res["world_size"], res["flops_per_sample"] or 0.0, res["peak_tflops"] or 0.0)
+    mfu_text = f", MFU {100 * utilisation:.1f}%" if utilisation is not None else ""
     peak = res["peak_mb"]
-    return Row(name, name, f"{images / ours:,.0f} img/s{mfu}, peak {peak['ours'] / 1024:.1f} GiB",
+    return Row(name, name, f"{images / ours:,.0f} img/s{mfu_text}, peak {peak['ours'] / 1024:.1f} GiB",
                f"{images / theirs:,.0f} img/s, peak {peak['theirs'] / 1024:.1f} GiB", f"{median(ratios):.3f}",
                ">= 0.99", median(ratios) >= 0.99,
                f"{res['world_size']} GPU(s), steps {fmt_ms(ours)} vs {fmt_ms(theirs)}; global batch {images}",

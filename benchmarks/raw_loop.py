@@ -3,7 +3,10 @@
 DistributedSampler, DataLoader, DDP, torch's SGD with its default settings, cross-entropy; optionally
 autocast (bf16), channels_last, torch.compile and gradient accumulation — with `no_sync`, or the seed
 article's way, which all-reduces on every micro-step. It reads nothing back from the device per step: a
-competent loop is the fair opponent, so every ratio measures the framework, not a careless baseline.
+competent loop is the fair opponent, so every ratio measures the framework, not a careless baseline. Its
+settings are torch's defaults, as a hand-written loop's would be (foreach SGD, DDP without
+gradient_as_bucket_view); ddptrain's own defaults (fused SGD, gradients as bucket views) are part of what
+the ratio measures.
 
 It borrows only the model and dataset definitions from ddptrain (the same network and data on both sides).
 The benchmark worker runs it in-process, interleaved with ddptrain's Trainer; `main` is the bare torchrun
@@ -69,6 +72,10 @@ class RawLoop:
         except StopIteration:
             self.epoch, self._batches = self.epoch + 1, None
             return self._next_batch()
+
+    def close(self) -> None:
+        """Drop the epoch's batch iterator: its loader workers stop now, not at a later garbage collection."""
+        self._batches = None
 
     def step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -19,6 +19,7 @@ import numpy as np
 from benchmarks.common import (Launch, Plan, Row, bench_env, fmt_ms, median, paired_ratios, quartiles, run_logged,
                                torchrun_cmd)
 from ddptrain import plan as scaling_model
+from ddptrain.doctor import bus_bandwidth
 
 # The quickstart's network (MiniResNet, width 16, 16x16 images): a real conv net with BatchNorm that steps
 # in tens of ms on one CPU core. Synthetic data large enough that no epoch ends while measuring. (Tiny: width 8,
@@ -91,8 +92,8 @@ def overhead(size: str, work: Path) -> Plan:
                     "per step in the control all-reduce between steps and "
                     f"{fmt_ms(calls['_log_train']['median_s'])} per log step (median call).")
             if not passed and extra:
-                note += (" MISS: each step is also a log step: a device->host read of the loss sums, an "
-                         "all-reduce and a gather of per-rank timings, a JSON line, ~15 TensorBoard scalars, a log "
+                note += (" MISS: each step is also a log step: a device->host read of the loss sums, one "
+                         "gather of every rank's sums and timings, a JSON line, ~15 TensorBoard scalars, a log "
                          "line and a sample-id line per micro-step — a fixed CPU cost per step (rank 0's share "
                          "stalls both ranks), so the ratio rises with step time, and at the default --log_interval "
                          "10 the cost is a tenth.")
@@ -240,12 +241,10 @@ def data(size: str, work: Path) -> Plan:
                     "file_descriptor sharing) - on CPU by a background thread of the training process, so the "
                     "step does not wait for it.")
             if not passed:
-                cause = ("the handoff itself, not a starved loader" if handoff_ms >= 0.5 * wait_ms else
-                         "workers not scheduled in time: they share the 2 cores with the 2 training processes")
-                note += (f" MISS: mostly {cause}. On CUDA the pin-memory thread receives batches off the "
-                         "training thread; on CPU, torch.multiprocessing's file_system sharing strategy cut the "
-                         "handoff ~3x in a side test, and fewer tensors per batch (ids as a list) would cut it by "
-                         "a third.")
+                note += (" MISS: the batches were not ready when the step asked: the loader workers share the 2 "
+                         "cores with the 2 training processes. More --num_workers, a cheaper __getitem__ or "
+                         "torch.multiprocessing's file_system sharing strategy (~3x cheaper handoff in a side "
+                         "test) would help.")
             rows.append(Row(key, f"data wait, {label}", f"{100 * worst:.2f}% of step time (worst rank)", "-",
                             f"{100 * worst:.2f}%", "< 2%", passed, note,
                             {"fractions_by_rank": fractions, "step_s": total / len(lines)}))
@@ -320,17 +319,16 @@ def scaling(size: str, work: Path) -> Plan:
                     step_s.setdefault((name, nproc), []).append(median(res["step_s"][skip:]))
                     first.setdefault((name, nproc), res)
         sweep_rows = first[(nets[0][0], 2)]["sweep"]
-        busbw = sweep_rows[-1]["bytes"] / sweep_rows[-1]["seconds"]  # N = 2: busbw = algbw * 2(N-1)/N = algbw
-        alpha = sweep_rows[0]["seconds"] / 2  # the smallest all-reduce: 2(N-1) = 2 latency-bound hops
+        busbw = bus_bandwidth(sweep_rows[-1]["bytes"] / sweep_rows[-1]["seconds"], 2)
+        alpha = scaling_model.hop_latency(sweep_rows[0]["seconds"], 2)
         rows = []
         for name, _ in nets:
             one, two = step_s[(name, 1)], step_s[(name, 2)]
             efficiency = median([a / b for a, b in zip(one, two)])
             single = first[(name, 1)]
             fwd_bwd = [r["fwd_bwd_s"] for r in single["metrics"] if r["step"] > skip and r["step"] % skip == 0]
-            # Backward ~ 2x forward: the plan's assumption where only forward+backward together is measured.
-            backward = min(1.0, 2 / 3 * median(fwd_bwd) / median(one)) if fwd_bwd else \
-                scaling_model.DEFAULT_BACKWARD_FRACTION
+            backward = (scaling_model.backward_fraction(median(fwd_bwd), median(one)) if fwd_bwd
+                        else scaling_model.DEFAULT_BACKWARD_FRACTION)
             predicted = scaling_model.predict(scaling_model.Workload(
                 step_s=median(one), backward_fraction=backward, grad_bytes=single["grad_bytes"],
                 busbw_bytes_per_s=busbw, latency_s=alpha), 2)

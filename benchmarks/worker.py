@@ -195,7 +195,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
     result["wall_s"] = time.perf_counter() - started
     trainer.close()
     if mode in ("interleave", "accumulate"):
-        raw._batches = None
+        raw.close()
     del trainer, callback
     gc.collect()  # this job's memory is freed before the next job starts
     return result

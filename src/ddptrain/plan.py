@@ -130,9 +130,18 @@ def network_from_doctor(text: str, source: str) -> tuple[float, float, int]:
                          "doctor on at least 2 ranks (ideally across nodes)")
     points = sorted((int(m.group(1)) * _UNITS[m.group(2)], float(m.group(3)) / 1000, float(m.group(5)))
                     for m in rows)
-    busbw = points[-1][2] * 1e9
-    alpha = points[0][1] / (2 * (n - 1))
-    return busbw, alpha, n
+    return points[-1][2] * 1e9, hop_latency(points[0][1], n), n
+
+
+def hop_latency(smallest_all_reduce_s: float, world_size: int) -> float:
+    """alpha: a latency-bound (smallest) all-reduce over its 2(N-1) ring hops; an upper bound on alpha."""
+    return smallest_all_reduce_s / (2 * (world_size - 1))
+
+
+def backward_fraction(fwd_bwd_s: float, step_s: float) -> float:
+    """The backward pass's share of a step where only forward+backward together is measured (backward ~ 2x
+    forward): the window in which DDP can overlap communication."""
+    return min(1.0, 2 / 3 * fwd_bwd_s / step_s)
 
 
 def compute_from_run(run_dir: Path) -> tuple[float, float | None, int]:
@@ -155,7 +164,7 @@ def compute_from_run(run_dir: Path) -> tuple[float, float | None, int]:
     step_s = statistics.median(r["step_time_s"] for r in steady)
     backward = None
     if all("fwd_bwd_s" in r for r in steady):
-        backward = 2 / 3 * statistics.median(r["fwd_bwd_s"] for r in steady) / step_s  # backward ~ 2x forward
+        backward = backward_fraction(statistics.median(r["fwd_bwd_s"] for r in steady), step_s)
     cfg = TrainConfig(**load_toml(str(config_path)))
     return step_s, backward, gradient_bytes(cfg)
 
