@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import cli_env, one_line_error, run_cli
@@ -82,6 +84,35 @@ def test_bus_bandwidth_is_the_ring_all_reduce_factor():
 def test_code_hash_is_stable_and_short():
     assert doctor.code_hash() == doctor.code_hash()
     assert re.fullmatch(r"[0-9a-f]{12}", doctor.code_hash())
+
+
+def test_code_hash_follows_the_package_sources_not_where_they_lie(tmp_path, monkeypatch):
+    """Two copies of the package hash alike; a changed byte, an added or a renamed source does not."""
+    package = Path(doctor.__file__).resolve().parent
+    copies = [shutil.copytree(package, tmp_path / where / "ddptrain") for where in ("a", "b")]
+
+    def hash_of(copy: Path) -> str:
+        monkeypatch.setattr(doctor, "__file__", str(copy / "doctor.py"))
+        return doctor.code_hash()
+
+    original = hash_of(copies[0])
+    assert hash_of(copies[1]) == original  # by relative path: the install location does not count
+    (copies[1] / "observe" / "__pycache__").mkdir(exist_ok=True)
+    (copies[1] / "observe" / "__pycache__" / "stray.pyc").write_bytes(b"not a source")
+    assert hash_of(copies[1]) == original
+
+    source = copies[1] / "observe" / "perf.py"
+    text = source.read_bytes()
+    source.write_bytes(text.replace(b"def ", b"def  ", 1))
+    assert hash_of(copies[1]) != original
+    source.write_bytes(text)
+    assert hash_of(copies[1]) == original
+
+    (copies[1] / "extra.py").write_text("")
+    assert hash_of(copies[1]) != original
+    (copies[1] / "extra.py").unlink()
+    source.rename(copies[1] / "observe" / "perf2.py")
+    assert hash_of(copies[1]) != original
 
 
 @pytest.mark.parametrize("args, env, names", [

@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from helpers import REPO, TINY, cli_env, metrics, read_jsonl
@@ -57,11 +58,26 @@ def test_every_jsonl_line_has_the_schema_of_its_split(run):
     assert all("mfu" in line for line in train)  # --peak_tflops given
 
 
-def test_mfu_is_throughput_times_counted_flops_over_the_peak(run):
-    model = MiniResNet(in_channels=3, num_classes=10, width=4, norm="batch")
-    flops = perf.train_flops_per_sample(model, torch.zeros(1, 3, 8, 8))
+def mini_resnet_forward_flops(width: int, size: int, in_channels: int = 3, num_classes: int = 10) -> int:
+    """MiniResNet's forward FLOPs for one sample, by hand; a multiply-add is 2 FLOPs, so a conv is
+    2 * Cin * Cout * k * k * Hout * Wout: the stem; stage 1 (4 convs width->width at full size); stages 2 and 3
+    (the first conv halves the size and doubles the width, a 1x1 shortcut, then 3 convs at the new width);
+    the linear head. BatchNorm, ReLU, the residual adds and the pooling are not counted."""
+    def conv(c_in: int, c_out: int, k: int, side: int) -> int:
+        return 2 * c_in * c_out * k * k * side * side
+
+    flops = conv(in_channels, width, 3, size) + 4 * conv(width, width, 3, size)
+    for c_in, side in ((width, size // 2), (2 * width, size // 4)):
+        flops += conv(c_in, 2 * c_in, 3, side) + conv(c_in, 2 * c_in, 1, side) + 3 * conv(2 * c_in, 2 * c_in, 3, side)
+    return flops + 2 * 4 * width * num_classes
+
+
+def test_mfu_is_throughput_times_hand_counted_flops_over_the_peak(run):
+    # The observed run: MiniResNet width 4 on 3x8x8 images, 10 classes, --peak_tflops 1.
+    train_flops = 3 * mini_resnet_forward_flops(width=4, size=8)
+    assert train_flops == 3 * 218_944
     for line in metrics(run.run_dir, "train"):
-        assert line["mfu"] == pytest.approx(line["samples_per_sec_per_rank"] * flops / 1e12, rel=1e-9)
+        assert line["mfu"] == pytest.approx(line["samples_per_sec_per_rank"] * train_flops / 1e12, rel=1e-9)
 
 
 def test_tensorboard_events_read_back_with_tensorboards_reader(run):
@@ -101,25 +117,29 @@ def test_profiler_writes_one_chrome_trace_per_rank_with_events(run):
 
 
 def test_flops_of_mini_resnet_match_a_hand_count():
-    """FlopCounterMode counts a multiply-add as 2 FLOPs: a conv is 2 * Cin * Cout * k * k * Hout * Wout."""
     model = MiniResNet(in_channels=3, num_classes=10, width=8, norm="batch").eval()
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(torch.zeros(1, 3, 16, 16))
-    stem = sum(counter.get_flop_counts()["MiniResNet.stem.0"].values())
-    assert stem == 2 * 3 * 8 * 3 * 3 * 16 * 16
-    # The whole net by hand: stem; stage 1 (4 convs 8->8 at 16x16); stages 2 and 3 (first conv halves the
-    # size and doubles the width, a 1x1 shortcut, then 3 convs at the new width); the linear head.
-    stage1 = 4 * (2 * 8 * 8 * 9 * 16 * 16)
-    stage2 = 2 * 8 * 16 * 9 * 8 * 8 + 2 * 8 * 16 * 1 * 8 * 8 + 3 * (2 * 16 * 16 * 9 * 8 * 8)
-    stage3 = 2 * 16 * 32 * 9 * 4 * 4 + 2 * 16 * 32 * 1 * 4 * 4 + 3 * (2 * 32 * 32 * 9 * 4 * 4)
-    head = 2 * 32 * 10
-    forward = stem + stage1 + stage2 + stage3 + head
-    assert counter.get_total_flops() == forward
-    train_flops = perf.train_flops_per_sample(model, torch.zeros(1, 3, 16, 16))
-    assert train_flops == 3 * forward
-    # 1000 samples/s on a 0.5 TFLOP/s device.
-    assert perf.mfu(1000.0, train_flops, 0.5) == pytest.approx(1000.0 * 3 * forward / 0.5e12)
-    assert perf.mfu(1000.0, train_flops, 0.0) is None
+    assert sum(counter.get_flop_counts()["MiniResNet.stem.0"].values()) == 2 * 3 * 8 * 3 * 3 * 16 * 16
+    assert counter.get_total_flops() == mini_resnet_forward_flops(width=8, size=16) == 3_388_032
+    assert perf.train_flops_per_sample(model, torch.zeros(1, 3, 16, 16)) == 3 * 3_388_032
+
+
+def test_train_flops_per_sample_of_single_layers_by_hand():
+    """Forward is 2 FLOPs per multiply-add, training 3x forward; a batch is counted as one sample."""
+    linear = nn.Linear(20, 7, bias=False)
+    assert perf.train_flops_per_sample(linear, torch.zeros(5, 20)) == 3 * 2 * 20 * 7 == 840
+    # Conv1d 2 -> 6 channels, kernel 5, length 32 -> 28 outputs: 2 * 2 * 6 * 5 * 28 per sample.
+    conv = nn.Conv1d(2, 6, kernel_size=5, bias=False)
+    assert perf.train_flops_per_sample(conv, torch.zeros(3, 2, 32)) == 3 * 2 * 2 * 6 * 5 * 28 == 10_080
+    assert conv.training  # counted in eval mode, given back in train mode
+
+
+def test_mfu_from_literal_numbers():
+    # 250 samples/s x 6 GFLOP per sample = 1.5 TFLOP/s achieved on a 2 TFLOP/s device.
+    assert perf.mfu(250.0, 6e9, 2.0) == pytest.approx(0.75)
+    assert perf.mfu(1000.0, 840.0, 0.5) == pytest.approx(1.68e-6)
+    assert perf.mfu(1000.0, 840.0, 0.0) is None and perf.mfu(1000.0, 0.0, 0.5) is None
 
 
 def _free_port() -> int:
