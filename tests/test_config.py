@@ -99,6 +99,10 @@ BAD_INPUT = {
     # id: (argv after `train` (tmp_path is substituted for {tmp}), extra env, expected text in the line)
     "out-of-range value": (["--batch_size", "0"], {}, "--batch_size must be >= 1"),
     "negative lr": (["--lr", "-0.1"], {}, "--lr"),
+    "nan lr": (["--lr", "nan"], {}, "--lr must be a finite number"),
+    "inf in a toml file": (["--config", "{tmp}/inf.toml"], {}, "--grad_clip must be a finite number"),
+    "static_graph with accumulation": (["--static_graph", "--grad_accum_steps", "2"], {},
+                                       "--static_graph cannot be combined with --grad_accum_steps"),
     "wrong type": (["--epochs", "two"], {}, "--epochs expects int"),
     "bad choice": (["--optimizer", "adam"], {}, "--optimizer"),
     "missing value": (["--lr"], {}, "--lr"),
@@ -133,6 +137,7 @@ def bad_files(tmp_path: Path) -> Path:
     _write(tmp_path, "unknown.toml", "batchsize = 8\n")
     _write(tmp_path, "typed.toml", 'batch_size = "8"\n')
     _write(tmp_path, "broken.toml", "lr = = 0.1\n")
+    _write(tmp_path, "inf.toml", "grad_clip = inf\n")
     _write(tmp_path, "broken_plugin.py", "raise RuntimeError('this plug-in is broken')\n")
     return tmp_path
 

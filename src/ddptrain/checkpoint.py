@@ -41,6 +41,7 @@ from ddptrain.faults import FaultInjector
 
 FORMAT = "ddptrain-checkpoint/1"
 MANIFEST = "manifest.json"
+ABANDONED = "abandoned"  # checkpoints of lines a run did not continue, moved aside by `start_line`
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 log = logging.getLogger("ddptrain")
 
@@ -69,6 +70,7 @@ class Snapshot:
     optimizer: dict[str, Any]
     trainer: dict[str, Any]  # scheduler, scaler, log window; "rng" (list by rank) is added here
     config: dict[str, Any]
+    origin: str = ""  # see CheckpointManager.origin
 
 
 @dataclass
@@ -131,6 +133,22 @@ def _cpu_copy(obj: Any, reuse: Any = None) -> Any:
     return obj
 
 
+def safetensors_bytes(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A state dict as safetensors bytes, tensors on the CPU and contiguous.
+
+    safetensors refuses two names for one memory, which is what tied weights are (an embedding shared with
+    the output layer): the second name gets its own copy, so any `load_state_dict` reads the file as is.
+    """
+    seen: set[int] = set()
+    tensors = {}
+    for name, value in state.items():
+        value = value.detach().to("cpu").contiguous()
+        memory = value.untyped_storage().data_ptr()
+        tensors[name] = value.clone() if memory in seen else value
+        seen.add(memory)
+    return safetensors.torch.save(tensors, metadata=metadata)
+
+
 def committed_steps(directory: Path) -> list[tuple[int, Path]]:
     """(step, path) of committed checkpoints, newest first. Partial directories are not listed."""
     if not directory.is_dir():
@@ -154,9 +172,8 @@ def write_checkpoint(directory: Path, snap: Snapshot, injector: FaultInjector | 
     if target.exists():  # a partial leftover of a crash (committed ones are never rewritten)
         shutil.rmtree(target)
     target.mkdir(parents=True)
-    model = {k: v.detach().to("cpu").contiguous() for k, v in snap.model.items()}
     payloads = {
-        "model.safetensors": safetensors.torch.save(model, metadata={"step": str(step)}),
+        "model.safetensors": safetensors_bytes(snap.model, metadata={"step": str(step)}),
         "optimizer.pt": _torch_bytes(snap.optimizer),
         "trainer.pt": _torch_bytes(snap.trainer),
     }
@@ -171,6 +188,7 @@ def write_checkpoint(directory: Path, snap: Snapshot, injector: FaultInjector | 
         "format": FORMAT, "step": step, "epoch": pos.epoch, "cursor": pos.cursor,
         "global_batch_size": pos.global_batch_size, "world_size": pos.world_size,
         "created": time.time(), "versions": versions(), "config": snap.config, "files": files,
+        "origin": snap.origin,
     }
     write_atomic(target / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     _fsync_dir(target)
@@ -237,13 +255,14 @@ class CheckpointManager:
     """Saves and resumes through committed directories. Methods marked 'all ranks' are collective."""
 
     def __init__(self, ctx: DistributedContext, directory: Path, keep_last: int, async_save: bool,
-                 injector: FaultInjector | None = None):
-        self.ctx, self.directory, self.keep_last = ctx, directory, keep_last
+                 timeout_s: float, injector: FaultInjector | None = None):
+        self.ctx, self.directory, self.keep_last, self.timeout_s = ctx, directory, keep_last, timeout_s
         self.async_save, self.injector = async_save, injector
         self._thread: threading.Thread | None = None
         self._async_error: str | None = None
         self._staging: Any = None  # the last async save's CPU copy: its memory is reused by the next one
         self.last_saved_step = -1
+        self.origin = ""  # the --resume_from checkpoint that started this run's line, recorded in manifests
 
     def save(self, position: Position, make_snapshot: Callable[[], Snapshot], rng_state: dict[str, Any]) -> None:
         """Gather every rank's RNG state, write and commit on rank 0, agree on the outcome. All ranks.
@@ -259,10 +278,11 @@ class CheckpointManager:
             try:
                 snap = make_snapshot()
                 snap.trainer = {**snap.trainer, "rng": gathered}
+                snap.origin = self.origin
                 if self.async_save:
                     # wait() above joined the previous writer, so its staging copy is free to overwrite.
                     self._staging = _cpu_copy((snap.model, snap.optimizer, snap.trainer), self._staging)
-                    snap = Snapshot(snap.position, *self._staging, snap.config)
+                    snap = Snapshot(snap.position, *self._staging, snap.config, snap.origin)
                     self._thread = threading.Thread(target=self._write_in_background, args=(snap,),
                                                     name="ddptrain-checkpoint-writer", daemon=True)
                     self._thread.start()
@@ -284,7 +304,10 @@ class CheckpointManager:
         self._agree(error, self.last_saved_step)
 
     def _agree(self, error: str | None, step: int) -> None:
-        error = self.ctx.broadcast_object(error)
+        # The other ranks wait here while rank 0 serialises, hashes and writes: that takes its own limit,
+        # not the collective timeout meant for a training step.
+        with self.ctx.collective_timeout(self.timeout_s):
+            error = self.ctx.broadcast_object(error)
         if error is not None:
             raise TrainingError(f"checkpoint of step {step} failed on rank 0 ({self.ctx.hosts[0]}): {error}")
 
@@ -305,11 +328,15 @@ class CheckpointManager:
         return None
 
     def purge(self, keep_step: int) -> None:
-        """Delete committed checkpoints beyond `keep_last` and stale partial dirs. Rank 0; never raises."""
+        """Delete committed checkpoints beyond `keep_last` and stale partial dirs. Rank 0; never raises.
+
+        Only this run's line is in the directory (`start_line` moved any other aside), so the newest
+        `keep_last` are the ones to keep; the one just committed (`keep_step`) is never deleted.
+        """
         if self.keep_last <= 0:
             return
         committed = committed_steps(self.directory)
-        doomed = [p for _, p in committed[self.keep_last:]]
+        doomed = [p for step, p in committed[self.keep_last:] if step != keep_step]
         newest = committed[0][0] if committed else keep_step
         for child in self.directory.iterdir():
             match = _STEP_DIR.match(child.name)
@@ -321,18 +348,46 @@ class CheckpointManager:
             except OSError as exc:
                 log.warning("could not delete old checkpoint %s (%s); training continues", path, exc)
 
+    def start_line(self, loaded: Loaded | None) -> None:
+        """Move aside the committed checkpoints this run does not continue from. Rank 0 only.
+
+        After resuming from step S (or starting fresh, S = 0), checkpoints of steps after S belong to an
+        abandoned line: left in place, retention would keep them over the new line's saves and a later
+        auto-resume would pick them. They go to `abandoned/<time>-at-step-S/`, never deleted.
+        """
+        start_step, start_path = (loaded.position.step, loaded.path.resolve()) if loaded else (0, None)
+        stale = [p for step, p in committed_steps(self.directory)
+                 if step > start_step or (step == start_step and p.resolve() != start_path)]
+        if not stale:
+            return
+        aside = self.directory / ABANDONED / f"{time.strftime('%Y%m%d-%H%M%S')}-at-step-{start_step}"
+        aside.mkdir(parents=True, exist_ok=True)
+        for path in stale:
+            path.rename(aside / path.name)
+        log.warning("%s: %s belong to another line of training than this run's start (step %d); "
+                    "moved to %s", self.directory, ", ".join(p.name for p in stale), start_step, aside)
+
     def resume(self, explicit: str, model_state: dict[str, torch.Tensor]) -> Loaded | None:
         """The newest checkpoint that loads on every rank, or None for a fresh start. All ranks.
 
-        `explicit` (--resume_from) must load, or it is a UsageError. Otherwise committed checkpoints in
-        the directory are tried newest first; an unusable one is reported (path, reason) and the previous
-        one is tried. Committed checkpoints that all fail are an error, never a silent fresh start.
+        `explicit` (--resume_from) chooses where the run's line starts: the first attempt loads it (or
+        fails with a UsageError); later attempts of the same run (an elastic restart, a requeue, the same
+        command again) find the line's own newer checkpoints first and continue from the newest. Otherwise
+        committed checkpoints in the directory are tried newest first. An unusable one is reported (path,
+        reason) and the previous one is tried; committed checkpoints that all fail are an error, never a
+        silent fresh start.
         """
+        origin = str(Path(explicit).resolve()) if explicit else ""
+        listing = None
+        if self.ctx.is_main:
+            listing = [str(p) for _, p in committed_steps(self.directory)
+                       if not explicit or read_origin(p) == origin]
+        candidates = [Path(p) for p in self.ctx.broadcast_object(listing)]  # one view for all ranks
         if explicit:
-            candidates = [Path(explicit)]
-        else:
-            listing = [str(p) for _, p in committed_steps(self.directory)] if self.ctx.is_main else None
-            candidates = [Path(p) for p in self.ctx.broadcast_object(listing)]  # one view for all ranks
+            if candidates and self.ctx.is_main:
+                log.info("--resume_from %s started this run; an earlier attempt committed %s: continuing "
+                         "from the newest", explicit, ", ".join(p.name for p in candidates))
+            candidates.append(Path(explicit))
         reasons = []
         for path in candidates:
             loaded, reason = None, None
@@ -348,18 +403,33 @@ class CheckpointManager:
             bad = [(r, why) for r, why in enumerate(failures) if why is not None]
             if not bad:
                 log.info("resuming from %s (step %d)", path, loaded.manifest["step"])
+                self.origin = origin or loaded.manifest.get("origin", "")
                 return loaded
             rank, why = bad[0]
             reasons.append(f"{path}: {why} (rank {rank})")
             if self.ctx.is_main:
-                log.warning("checkpoint %s unusable on rank %d: %s%s", path, rank, why,
-                            "" if explicit else "; falling back to the previous committed one")
+                log.warning("checkpoint %s unusable on rank %d: %s; falling back to the previous committed one",
+                            path, rank, why)
         if explicit:
-            raise UsageError(f"--resume_from {explicit}: {reasons[0].split(': ', 1)[1]}")
+            raise UsageError(f"--resume_from {explicit}: {reasons[-1].split(': ', 1)[1]}")
         if reasons:
             raise UsageError(f"no usable checkpoint in {self.directory}: {'; '.join(reasons)}. Move them away, "
                              "or start fresh with --no-auto_resume or another --run_dir")
         return None
+
+
+def read_origin(path: Path) -> str | None:
+    """The `--resume_from` checkpoint that started the line `path` belongs to ("" for none; None if unreadable)."""
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("origin", "")
+    except (OSError, ValueError):
+        return None
+
+
+def continues_line(directory: Path, explicit: str) -> bool:
+    """Whether `directory` holds a committed checkpoint of the line that `--resume_from explicit` started."""
+    origin = str(Path(explicit).resolve())
+    return any(read_origin(p) == origin for _, p in committed_steps(directory))
 
 
 def _check_fits(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> None:

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import difflib
 import importlib
+import math
 import os
 import sys
 import tomllib
@@ -47,20 +48,20 @@ class TrainConfig:
     norm: str = opt("batch", "MiniResNet normalisation layer", choices=("batch", "group", "none"),
                     group="model and data")
     sync_batchnorm: bool = opt(False, "convert BatchNorm to SyncBatchNorm (CUDA only)", group="model and data")
-    num_workers: int = opt(2, "data loader worker processes per rank (0 = load in the training process)",
+    num_workers: int = opt(4, "data loader worker processes per rank (0 = load in the training process)",
                            min=0, group="model and data")
 
     # --- batch and schedule ---------------------------------------------------------------------
-    batch_size: int = opt(32, "micro-batch size per process; global batch = batch_size * world size * "
+    batch_size: int = opt(64, "micro-batch size per process; global batch = batch_size * world size * "
                           "grad_accum_steps", min=1)
     grad_accum_steps: int = opt(1, "micro-batches per optimizer step (gradients all-reduced on the last only)",
                                 min=1)
     epochs: int = opt(10, "passes over the training data", min=1)
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)", min=0)
     optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adamw"))
-    lr: float = opt(0.1, "peak learning rate", min=0.0)
+    lr: float = opt(0.01, "peak learning rate", min=0.0)
     momentum: float = opt(0.9, "SGD momentum (AdamW: beta1)", min=0.0)
-    weight_decay: float = opt(5e-4, "weight decay", min=0.0)
+    weight_decay: float = opt(1e-4, "weight decay", min=0.0)
     lr_schedule: str = opt("constant", "learning-rate schedule after warmup", choices=("constant", "cosine"))
     warmup_steps: int = opt(0, "linear warmup from 0 to lr over this many optimizer steps", min=0)
     min_lr: float = opt(0.0, "final learning rate of the cosine schedule", min=0.0)
@@ -84,10 +85,14 @@ class TrainConfig:
                                 min=1.0, group="distributed")
     collective_timeout_s: float = opt(300.0, "timeout of each collective after the first step", min=1.0,
                                       group="distributed")
+    checkpoint_timeout_s: float = opt(900.0, "how long every rank waits for a checkpoint to be written and "
+                                      "committed (the watchdog allows the checkpoint phase as long)", min=1.0,
+                                      group="distributed")
     hang_timeout_s: float = opt(600.0, "watchdog: a rank with no progress for this long dumps its stacks and "
                                 "fails the job (0 = off)", min=0.0, group="distributed")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB", min=0.0, group="distributed")
-    static_graph: bool = opt(False, "tell DDP the graph is the same every step", group="distributed")
+    static_graph: bool = opt(False, "tell DDP the graph is the same every step (not with --grad_accum_steps > 1)",
+                             group="distributed")
     gradient_as_bucket_view: bool = opt(True, "gradients alias DDP's buckets (saves a copy and memory)",
                                         group="distributed")
 
@@ -143,6 +148,8 @@ class TrainConfig:
         for f in fields(self):
             value = getattr(self, f.name)
             meta = f.metadata
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UsageError(f"--{f.name} must be a finite number (got {value})")
             if meta["choices"] and value not in meta["choices"]:
                 raise UsageError(f"--{f.name}: {value!r} is not one of {', '.join(meta['choices'])}")
             if meta["min"] is not None and value < meta["min"]:
@@ -160,10 +167,18 @@ class TrainConfig:
             # worst outcome, so the option is for CUDA only.
             raise UsageError("--channels_last is for CUDA: on CPU, oneDNN's channels_last convolution backward "
                              "can return wrong gradients (oneDNN#6035); drop the flag")
+        if self.static_graph and self.grad_accum_steps > 1:
+            # DDP's static graph counts one gradient-ready hook per parameter per iteration; no_sync's
+            # extra backward passes break that count (a torch internal assert, reproduced on 2.13).
+            raise UsageError("--static_graph cannot be combined with --grad_accum_steps > 1 (DDP's static graph "
+                             "does not support no_sync accumulation); drop one of the two flags")
         if self.dataset in FILE_DATASETS and not self.data_dir:
             raise UsageError(f"--dataset {self.dataset} reads files: pass --data_dir DIR")
         if self.resume_from and not Path(self.resume_from).is_dir():
-            raise UsageError(f"--resume_from {self.resume_from}: no such directory; pass a checkpoints/step-N dir")
+            from ddptrain.checkpoint import continues_line  # a restart may find it purged, its line continued
+
+            if not continues_line(self.checkpoint_path, self.resume_from):
+                raise UsageError(f"--resume_from {self.resume_from}: no such directory; pass a checkpoints/step-N dir")
         if self.enable_profiling and self.profile_active < 1:
             raise UsageError("--profile_active must be >= 1")
         _check_inject_fault(self.inject_fault)

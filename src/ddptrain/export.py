@@ -13,10 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
-import safetensors.torch
 import torch
 
-from ddptrain.checkpoint import MANIFEST, CheckpointError, committed_steps, read_checkpoint, write_atomic
+from ddptrain.checkpoint import (MANIFEST, CheckpointError, committed_steps, read_checkpoint, safetensors_bytes,
+                                 write_atomic)
 from ddptrain.errors import UsageError
 
 FORMAT = "ddptrain-export/1"
@@ -63,12 +63,12 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"{checkpoint}: unusable checkpoint: {exc}") from None
 
     manifest = loaded.manifest
-    weights = {name: tensor.contiguous() for name, tensor in loaded.model.items()}
+    weights = loaded.model
     metadata = {"format": FORMAT, "step": str(manifest["step"]), "epoch": str(manifest["epoch"]),
                 "model": str(manifest["config"].get("model", "")), "checkpoint": str(checkpoint.resolve())}
     config_path = out.with_suffix(".json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, safetensors.torch.save(weights, metadata=metadata))
+    write_atomic(out, safetensors_bytes(weights, metadata=metadata))
     write_atomic(config_path, (json.dumps(manifest["config"], indent=1, sort_keys=True) + "\n").encode())
     size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
     print(f"exported {len(weights)} tensors ({size_mb:.1f} MiB) of step {manifest['step']} from {checkpoint} "

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddptrain.checkpoint import CheckpointManager, Loaded, Position, Snapshot, write_atomic
+from ddptrain.checkpoint import CheckpointManager, Loaded, Position, Snapshot, safetensors_bytes, write_atomic
 from ddptrain.config import TrainConfig
 from ddptrain.data import (BatchLayout, GlobalOrderSampler, ShardedEvalSampler, build_datasets, epoch_batches,
                            make_loader, mix_seed)
@@ -178,6 +178,7 @@ class Trainer:
         scale = self.layout.global_batch_size / cfg.base_batch_size if cfg.scale_lr else 1.0
         self.peak_lr = cfg.lr * scale
         self.optimizer = build_optimizer(cfg, self.params, self.peak_lr)
+        self._optimizer_stepped = False  # whether the optimizer has state (see train_step)
         self.total_steps = cfg.epochs * self.steps_per_epoch
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
@@ -194,9 +195,9 @@ class Trainer:
                                  world_size=ctx.world_size)
         self.injector = FaultInjector(cfg.inject_fault, ctx.rank)
         self.checkpoints = CheckpointManager(ctx, cfg.checkpoint_path, cfg.keep_last, cfg.async_checkpoint,
-                                             self.injector)
+                                             cfg.checkpoint_timeout_s, self.injector)
         self.watchdog = Watchdog(ctx, run_dir / "logs" / f"rank-{ctx.rank}.log", cfg.hang_timeout_s,
-                                 startup_timeout_s=cfg.init_timeout_s)
+                                 startup_timeout_s=cfg.init_timeout_s, checkpoint_timeout_s=cfg.checkpoint_timeout_s)
         self.profiler = StepProfiler(cfg.enable_profiling, run_dir, ctx.rank, cfg.profile_wait,
                                      cfg.profile_warmup, cfg.profile_active)
         self.signals = StopSignals()
@@ -331,21 +332,41 @@ class Trainer:
             # DDP has averaged the gradients, so `norm` is identical on every rank: the non-finite
             # decision below is the same everywhere without another collective.
             bad = ~torch.isfinite(norm)
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)  # GradScaler owns the fp16 overflow skip
-                self.scaler.update()
-            elif cfg.on_nonfinite == "stop":
+            if cfg.on_nonfinite == "stop" and self.scaler is None:
                 if bool(bad):  # host sync, the price of stopping at the very step
                     self._stop_nonfinite([step])
                 self.optimizer.step()
+            elif not self._optimizer_stepped and bool(bad):
+                # Before its first update a fused optimizer has no state: asked to skip, it would allocate
+                # momentum buffers uninitialised and never write them. So until the first update the skip is
+                # decided on the host (one sync per step until then, none after): the step never happened.
+                if self.scaler is not None:
+                    self.scaler.update()  # lower the fp16 loss scale as after any overflow
             else:
-                self.optimizer.found_inf = bad.float()  # the fused kernel skips the update on device
-                self.optimizer.step()
+                if self.scaler is not None:
+                    self.scaler.step(self.optimizer)  # GradScaler hands found_inf to the fused kernel
+                    self.scaler.update()
+                else:
+                    self.optimizer.found_inf = bad.float()  # the fused kernel skips the update on device
+                    self.optimizer.step()
+                self._optimizer_stepped = True
             self._win_bad_steps[(step - 1) % cfg.log_interval] = bad
             self._last_norm = norm
         spans.append(("optimizer", start, self.clock.now()))
         self._spans.append(spans)
         self._window_steps += 1
+
+    @torch.no_grad()
+    def _sync_buffers(self) -> None:
+        """Give every rank rank 0's buffers (BatchNorm running statistics). All ranks.
+
+        DDP broadcasts them at the start of each forward, so after the last forward every rank holds the
+        statistics of its own batches. Evaluating, checkpointing and exporting must all see one model: the
+        one rank 0 saves. Training is unchanged, since the next forward would broadcast the same values.
+        """
+        if self.ddp is not None:
+            for buffer in self.module.buffers():
+                dist.broadcast(buffer, src=0)
 
     def _module_forward_started(self, module: nn.Module, args: Any) -> None:
         self._module_started = self.clock.now()
@@ -358,6 +379,7 @@ class Trainer:
         would start collectives a rank with fewer batches never joins. Must be called on all ranks.
         """
         self.watchdog.phase("eval")
+        self._sync_buffers()
         totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
         self.module.eval()
         for _, inputs, targets in self.eval_loader or ():
@@ -415,6 +437,7 @@ class Trainer:
         if self.position.step == self.checkpoints.last_saved_step:
             return
         self.watchdog.phase("checkpoint")
+        self._sync_buffers()
         self.checkpoints.save(Position(**vars(self.position)), self._snapshot, rng_state(self.ctx.device))
         self._last_save_time = time.monotonic()
 
@@ -437,16 +460,34 @@ class Trainer:
         self._last_save_time = time.monotonic()
         if self.ctx.is_main:
             (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
-        if not (self.cfg.resume_from or self.cfg.auto_resume):
-            return
-        loaded = self.checkpoints.resume(self.cfg.resume_from, self.module.state_dict())
+        loaded = None
+        if self.cfg.resume_from or self.cfg.auto_resume:
+            loaded = self.checkpoints.resume(self.cfg.resume_from, self.module.state_dict())
         if loaded is not None:
             self._apply(loaded)
+        if self.ctx.is_main:
+            self.checkpoints.start_line(loaded)
 
     def _apply(self, loaded: Loaded) -> None:
         saved, pos = loaded.position, self.position
+        saved_optimizer = loaded.manifest["config"].get("optimizer", self.cfg.optimizer)
+        if saved_optimizer != self.cfg.optimizer:
+            raise UsageError(f"--optimizer {self.cfg.optimizer}: {loaded.path} holds {saved_optimizer} state; "
+                             f"resume with --optimizer {saved_optimizer}, or start fresh (--no-auto_resume or "
+                             "another --run_dir)")
         self.module.load_state_dict(loaded.model)
+        # The config decides the hyperparameters (momentum, betas, weight decay, ...): the checkpoint only
+        # supplies the optimizer's state. A changed value is said once.
+        configured = [{k: v for k, v in group.items() if k not in ("params", "lr")}
+                      for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(loaded.optimizer)
+        self._optimizer_stepped = bool(self.optimizer.state)
+        for group, wanted in zip(self.optimizer.param_groups, configured):
+            changed = {k: (group.get(k), v) for k, v in wanted.items() if group.get(k) != v and k != "initial_lr"}
+            if changed and self.ctx.is_main and group is self.optimizer.param_groups[0]:
+                log.warning("resume: the config overrides the checkpoint's optimizer settings: %s",
+                            ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+            group.update(wanted)
         self.scheduler.load_state_dict(loaded.trainer["scheduler"])
         self.scheduler.base_lrs = [self.peak_lr] * len(self.optimizer.param_groups)  # the config decides
         for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
@@ -616,11 +657,8 @@ class Trainer:
 
     def _export_weights(self) -> None:
         if self.ctx.is_main:
-            import safetensors.torch
-
-            state = {k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()}
             write_atomic(self.run_dir / "model.safetensors",
-                         safetensors.torch.save(state, metadata={"step": str(self.position.step)}))
+                         safetensors_bytes(self.module.state_dict(), metadata={"step": str(self.position.step)}))
 
     def close(self) -> None:
         """Stop the loaders' worker processes now. Safe to call twice; a later `fit` would start new ones.
