@@ -128,6 +128,7 @@ def run_worker(cfg) -> int:
                              f"{type(exc).__name__}: {exc}"
                              f"{netinfo.lost_peers_note(str(exc), ctx.hosts, ctx.addrs, ctx.addr)}\n")
             record_for_launcher(exc)
+            ctx.failed = True
             return EXIT_FAILURE
         finally:
             if trainer is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from ddptrain import netinfo
 from ddptrain.errors import UsageError
 
+log = logging.getLogger("ddptrain")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -87,6 +89,8 @@ class DistributedContext:
     addr: str = ""  # the address this rank uses for the job (tells apart hosts that share a name)
     interface: str = ""  # the network interface of `addr`
     addrs: list[str] = field(default_factory=list)  # address of each rank, gathered with the hosts
+    timeout_s: float = 0.0  # the collective timeout in force on every group
+    failed: bool = False  # set by a worker that caught its own failure: teardown then aborts
 
     @property
     def is_main(self) -> bool:
@@ -135,6 +139,17 @@ class DistributedContext:
         timeout = datetime.timedelta(seconds=seconds)
         for group in {dist.group.WORLD, self.control_group}:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
+        self.timeout_s = seconds
+
+    @contextlib.contextmanager
+    def collective_timeout(self, seconds: float) -> Iterator[None]:
+        """Collectives issued inside get `seconds` (a rank waiting for rank 0's checkpoint write). All ranks."""
+        before = self.timeout_s
+        self.set_collective_timeout(seconds)
+        try:
+            yield
+        finally:
+            self.set_collective_timeout(before)
 
 
 class LaggedVote:
@@ -215,12 +230,12 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
     else:  # explicit: under srun there is no RANK / WORLD_SIZE for env:// to read
         kwargs.update(rank=env.rank, world_size=env.world_size)
     dist.init_process_group(**kwargs)
-    failed = False
+    failed, ctx = False, None
     try:
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
         ctx = DistributedContext(rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
                                  local_world_size=env.local_world_size, backend=backend, device=device,
-                                 host=socket.gethostname(), control_group=control)
+                                 host=socket.gethostname(), control_group=control, timeout_s=init_timeout_s)
         ctx.addr, ctx.interface = netinfo.job_address()
         peers: list[tuple[str, str]] = [("", "")] * env.world_size
         dist.all_gather_object(peers, (ctx.host, ctx.addr), group=control)
@@ -231,14 +246,21 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
         failed = True
         raise
     finally:
-        _teardown(failed)
+        _teardown(failed or (ctx is not None and ctx.failed))
 
 
 def _teardown(failed: bool) -> None:
+    """Destroy the process groups after success; abort them after a failure.
+
+    A failed rank may have collectives in flight that its peers will never join: destroying would wait for
+    them (NCCL can hang there), aborting drops them.
+    """
     if not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    if failed and abort is not None and dist.get_backend() == "nccl":
-        abort()  # pending NCCL work after a failure would make destroy wait on it
+    if failed and abort is not None:
+        log.debug("aborting the process groups after a failure")
+        abort()
     else:
+        log.debug("destroying the process groups")
         dist.destroy_process_group()

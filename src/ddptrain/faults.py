@@ -8,6 +8,7 @@ A spec is ``key=value`` pairs separated by commas, from ``--inject_fault`` or ``
     rank=0,step=2,kind=nan                # this rank's loss becomes NaN in step 2
     rank=0,step=6,kind=sigkill,at=save    # dies while writing the checkpoint of step 6
     rank=0,step=6,kind=corrupt-checkpoint # flips a byte in the checkpoint of step 6 after it commits
+    rank=0,step=4,kind=stall,at=save,seconds=30  # a slow checkpoint write: sleeps 30 s, then goes on
 
 Steps are numbered like `metrics.jsonl` and `checkpoints/step-N`: step N is the N-th optimizer step.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from ddptrain.errors import UsageError
 
-KINDS = ("raise", "sigkill", "exit", "hang", "nan", "corrupt-checkpoint")
+KINDS = ("raise", "sigkill", "exit", "hang", "stall", "nan", "corrupt-checkpoint")
 PLACES = ("step", "save")
 ENV_VAR = "DDPTRAIN_FAULT"
 
@@ -42,6 +43,7 @@ class FaultSpec:
     micro: int = 0
     at: str = "step"
     restart: int = 0
+    seconds: int = 0  # kind=stall: how long
 
     @classmethod
     def parse(cls, spec: str, source: str) -> FaultSpec:
@@ -51,12 +53,12 @@ class FaultSpec:
             if not sep:
                 raise UsageError(f"{source}: {part!r} is not key=value (e.g. 'rank=1,step=5,kind=sigkill')")
             fields[key] = value
-        unknown = set(fields) - {"rank", "step", "kind", "micro", "at", "restart"}
+        unknown = set(fields) - {"rank", "step", "kind", "micro", "at", "restart", "seconds"}
         if unknown:
             raise UsageError(f"{source}: unknown key(s) {', '.join(sorted(unknown))}; "
-                             "use rank, step, kind, micro, at, restart")
+                             "use rank, step, kind, micro, at, restart, seconds")
         ints = {}
-        for key in ("rank", "step", "micro", "restart"):
+        for key in ("rank", "step", "micro", "restart", "seconds"):
             if key in fields:
                 try:
                     ints[key] = int(fields[key])
@@ -109,15 +111,16 @@ class FaultInjector:
                 fh.write(bytes([byte[0] ^ 0xFF]))
 
     def _fire(self, where: str) -> None:
-        kind = self.spec.kind
-        self.spec = None  # fire once per process
-        message = f"injected fault kind={kind} at {where}"
-        if kind == "raise":
+        spec, self.spec = self.spec, None  # fire once per process
+        message = f"injected fault kind={spec.kind} at {where}"
+        if spec.kind == "raise":
             raise InjectedFault(message)
-        if kind == "exit":
+        if spec.kind == "exit":
             os._exit(13)
-        if kind == "sigkill":
+        if spec.kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if kind == "hang":
+        if spec.kind == "hang":
             while True:
                 time.sleep(3600)
+        if spec.kind == "stall":
+            time.sleep(spec.seconds)

@@ -24,7 +24,6 @@ from ddptrain.distributed import DistributedContext
 from ddptrain.errors import EXIT_FAILURE
 
 log = logging.getLogger("ddptrain")
-SLOW_PHASES = ("startup", "checkpoint")  # allowed the startup timeout: first compile, big writes
 # The order phases follow within one step: of two ranks idle in the same step, the one in the earlier phase
 # is behind (in a hang the others wait inside a collective of a later phase).
 PHASE_ORDER = ("startup", "data", "forward/backward", "backward+all-reduce", "optimizer", "log", "sync", "eval",
@@ -50,9 +49,12 @@ def record_for_launcher(exc: BaseException) -> None:
 
 
 class Watchdog:
-    def __init__(self, ctx: DistributedContext, log_path: Path, hang_timeout_s: float, startup_timeout_s: float):
+    def __init__(self, ctx: DistributedContext, log_path: Path, hang_timeout_s: float, startup_timeout_s: float,
+                 checkpoint_timeout_s: float):
         self.ctx, self.log_path = ctx, log_path
-        self.hang_timeout_s, self.startup_timeout_s = hang_timeout_s, startup_timeout_s
+        self.hang_timeout_s = hang_timeout_s
+        # Phases allowed longer than a step: start-up (rendezvous, first compile) and checkpoint writes.
+        self.slow_phase_limits_s = {"startup": startup_timeout_s, "checkpoint": checkpoint_timeout_s}
         self.step, self._phase, self._since = 0, "startup", time.monotonic()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -83,18 +85,22 @@ class Watchdog:
         return max(0.2, min(5.0, self.hang_timeout_s / 10))
 
     def _heartbeat(self) -> None:
-        key = f"ddptrain/heartbeat/{self.ctx.rank}"
+        key, warned = f"ddptrain/heartbeat/{self.ctx.rank}", False
         while not self._stop.wait(self._interval()):
             beat = {"step": self.step, "phase": self._phase, "host": self.ctx.host,
                     "idle_s": time.monotonic() - self._since, "time": time.time()}
             try:
                 self._store.set(key, json.dumps(beat))
-            except Exception:  # the store's host is gone; the collectives will say so
-                return
+            except Exception as exc:  # the store may be back at the next beat; the collectives say if not
+                if not warned:
+                    log.warning("watchdog: rank %d cannot publish its heartbeat to the store (%s: %s); retrying "
+                                "every %.1f s, a hang report may not name the rank furthest behind meanwhile",
+                                self.ctx.rank, type(exc).__name__, exc, self._interval())
+                    warned = True
 
     def _check(self) -> None:
         while not self._stop.wait(self._interval()):
-            limit = self.startup_timeout_s if self._phase in SLOW_PHASES else self.hang_timeout_s
+            limit = self.slow_phase_limits_s.get(self._phase, self.hang_timeout_s)
             idle = time.monotonic() - self._since
             if idle > limit:
                 self._fire(idle)

@@ -1,0 +1,34 @@
+"""How a run ends when something goes wrong: a failed rank aborts its process groups, and a slow
+checkpoint write does not trip the collective timeout. Real processes, gloo on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from helpers import train
+
+JOB = ["--batch_size", "16", "--epochs", "1", "--max_steps", "4"]
+
+
+def teardown_lines(run_dir: Path, rank: int) -> list[str]:
+    text = (run_dir / "logs" / f"rank-{rank}.log").read_text()
+    return [line for line in text.splitlines() if "the process groups" in line]
+
+
+def test_a_failed_rank_aborts_and_a_finished_one_destroys(tmp_path):
+    failed, finished = tmp_path / "failed", tmp_path / "finished"
+    proc = train(failed, *JOB, nproc=2, env={"DDPTRAIN_FAULT": "rank=1,step=2,kind=raise"}, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert any("aborting the process groups after a failure" in line for line in teardown_lines(failed, 1))
+    train(finished, *JOB, nproc=2)
+    for rank in (0, 1):
+        assert [line.split("DEBUG ")[1] for line in teardown_lines(finished, rank)] == ["destroying the process groups"]
+
+
+def test_a_checkpoint_write_slower_than_the_collective_timeout_is_waited_for(tmp_path):
+    # Rank 0 spends 8 s writing the checkpoint of step 2 while rank 1 waits for the outcome; collectives
+    # time out after 3 s, the checkpoint wait has --checkpoint_timeout_s (900 s).
+    proc = train(tmp_path, *JOB, "--save_every_steps", "2", "--collective_timeout_s", "3", nproc=2,
+                 env={"DDPTRAIN_FAULT": "rank=0,step=2,kind=stall,at=save,seconds=8"}, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "checkpoints" / "step-2" / "manifest.json").is_file()
