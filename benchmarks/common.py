@@ -23,7 +23,7 @@ def bench_env(threads: int | None = None) -> dict[str, str]:
     """The environment of launched workers: no inherited launcher variables, the repo importable."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "DDPTRAIN_", "GROUP_"))}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")]))
     env["PYTHONUNBUFFERED"] = "1"
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)

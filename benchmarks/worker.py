@@ -167,7 +167,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
     if mode == "accumulate":
         counters["ddptrain"] = CommCounter(lambda: (probe.taken - 1) % cfg.grad_accum_steps)
         counters["raw"] = CommCounter(lambda: raw.micro)
-        trainer.ddp.register_comm_hook(None, counters["ddptrain"].hook)
+        trainer.parallel.ddp.register_comm_hook(None, counters["ddptrain"].hook)
         raw.ddp.register_comm_hook(None, counters["raw"].hook)
 
     started = time.perf_counter()

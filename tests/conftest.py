@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(1, str(Path(__file__).parent.parent))  # benchmarks/ is a top-level package of the repo
+sys.path.insert(0, str(Path(__file__).parent.parent / "src"))  # this checkout's ddptrain, whatever pip installed
+sys.path.insert(1, str(Path(__file__).parent))
+sys.path.insert(2, str(Path(__file__).parent.parent))  # benchmarks/ is a top-level package of the repo
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DDPTRAIN_FAULT")
 

@@ -14,15 +14,18 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A tiny, fast, BatchNorm-free job: results are exactly comparable across world sizes.
+# A tiny, fast, BatchNorm-free job: results are exactly comparable across world sizes. Batch and lr are
+# pinned (the tests count steps of 32 samples and expect learning at lr 0.1), not left to the defaults.
 TINY = ["--model", "mlp", "--image_size", "8", "--width", "32", "--dataset_size", "256", "--eval_size", "61",
-        "--num_workers", "0", "--log_interval", "1", "--no-progress"]
+        "--num_workers", "0", "--log_interval", "1", "--no-progress", "--batch_size", "32", "--lr", "0.1"]
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "DDPTRAIN_", "SLURM_"))}
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO / "tests")})
+    # This checkout's sources first: a test exercises the tree it sits in, whichever one pip installed.
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests")])})
     env.update(extra or {})
     return env
 
@@ -61,6 +64,15 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), f"{key} differs: max |diff| {(a[key] - b[key]).abs().max()}"
+
+
+def assert_close_weights(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor], rel: float) -> None:
+    """Equal up to floating-point reordering: every tensor within `rel` of its largest magnitude."""
+    assert expected.keys() == actual.keys()
+    for key, want in expected.items():
+        scale = want.abs().max().item()
+        torch.testing.assert_close(actual[key], want, rtol=rel, atol=rel * scale,
+                                   msg=lambda m, key=key: f"{key}: {m}")
 
 
 def last_committed(run_dir: Path) -> Path:

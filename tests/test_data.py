@@ -114,13 +114,13 @@ class JitterDataset(Dataset):
 
 def test_augmentation_is_a_function_of_the_sample_not_of_the_reader():
     seeded = SeededSamples(JitterDataset(), seed=11)
-    first = seeded[(3, 5)][1]
+    first = seeded[(3, 5)][1][0]
     torch.manual_seed(123)  # whatever the caller's RNG state ...
     state = torch.get_rng_state()
-    assert torch.equal(seeded[(3, 5)][1], first)  # ... the sample is the same
+    assert torch.equal(seeded[(3, 5)][1][0], first)  # ... the sample is the same
     assert torch.equal(torch.get_rng_state(), state), "reading a sample moved the training RNG"
-    assert not torch.equal(seeded[(4, 5)][1], first), "a new epoch must draw new augmentation"
-    assert not torch.equal(seeded[(3, 6)][1], first)
+    assert not torch.equal(seeded[(4, 5)][1][0], first), "a new epoch must draw new augmentation"
+    assert not torch.equal(seeded[(3, 6)][1][0], first)
 
 
 class JitteredSynthetic(SyntheticImages):
@@ -137,9 +137,9 @@ def test_seeding_is_skipped_only_where_the_reading_class_promises_it():
     assert draws_from_global_rngs(JitterDataset())
     jittered = SeededSamples(JitteredSynthetic(8, **shape), seed=11)
     assert jittered.seeded, "an overriding __getitem__ must not inherit its parent's promise"
-    first = jittered[(0, 3)][1]
+    first = jittered[(0, 3)][1][0]
     torch.manual_seed(99)
-    assert torch.equal(jittered[(0, 3)][1], first), "the subclass's augmentation must be seeded per sample"
+    assert torch.equal(jittered[(0, 3)][1][0], first), "the subclass's augmentation must be seeded per sample"
 
 
 def test_loader_workers_read_the_same_samples_as_the_main_process():
@@ -149,7 +149,7 @@ def test_loader_workers_read_the_same_samples_as_the_main_process():
         cfg = TrainConfig(num_workers=workers)
         sampler = GlobalOrderSampler(16, layout, 0, seed=11)
         loader = make_loader(JitterDataset(), sampler, cfg, torch.device("cpu"), seed=workers)
-        read[workers] = [(ids, inputs) for ids, inputs, _ in loader]
+        read[workers] = [(ids, inputs) for ids, (inputs, _) in loader]
     assert [ids for ids, _ in read[0]] == [ids for ids, _ in read[2]]
     for (_, a), (_, b) in zip(read[0], read[2]):
         assert torch.equal(a, b)

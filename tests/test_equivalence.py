@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import pipeline_runs as runs
-from helpers import TINY, metrics, train, weights
+from helpers import TINY, assert_close_weights, metrics, train, weights
 from ddptrain.config import resolve_config
 from ddptrain.data import build_datasets
 from ddptrain.models import build_model
@@ -33,11 +33,7 @@ def pair(tmp_path_factory) -> Path:
 
 
 def assert_same_weights(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
-    assert expected.keys() == actual.keys()
-    for key, want in expected.items():
-        scale = want.abs().max().item()
-        torch.testing.assert_close(actual[key], want, rtol=REL_TOL, atol=REL_TOL * scale,
-                                   msg=lambda m, key=key: f"{key}: {m}")
+    assert_close_weights(expected, actual, rel=REL_TOL)
 
 
 def run_config(*extra: str):

@@ -100,15 +100,15 @@ def test_cifar_train_augmentation_is_a_crop_and_flip_deterministic_per_seed_epoc
     written = write_cifar10(tmp_path)
     train_ds, _ = build_datasets(cfg_for("cifar10", tmp_path))
     seeded = SeededSamples(train_ds, seed=7)
-    _, first, label = seeded[(0, 2)]
+    _, (first, label) = seeded[(0, 2)]
     assert label == written["data_batch_1.bin"][0][2]
-    assert torch.equal(first, seeded[(0, 2)][1])  # same (seed, epoch, sample): same augmentation
-    assert torch.equal(first, SeededSamples(train_ds, seed=7)[(0, 2)][1])
+    assert torch.equal(first, seeded[(0, 2)][1][0])  # same (seed, epoch, sample): same augmentation
+    assert torch.equal(first, SeededSamples(train_ds, seed=7)[(0, 2)][1][0])
     raw = torch.from_numpy(written["data_batch_1.bin"][1][2].astype(np.float32)).view(3, 32, 32) / 255
     candidates = [(c - CIFAR10_MEAN) / CIFAR10_STD for c in all_crops_and_flips(raw)]
     assert any(torch.allclose(first, c, atol=1e-6) for c in candidates)
     # Other epochs and seeds draw other crops (162 possibilities: 8 draws all equal would be a bug).
-    others = [seeded[(epoch, 2)][1] for epoch in range(1, 5)] + [SeededSamples(train_ds, s)[(0, 2)][1]
+    others = [seeded[(epoch, 2)][1][0] for epoch in range(1, 5)] + [SeededSamples(train_ds, s)[(0, 2)][1][0]
                                                                   for s in (8, 9, 10, 11)]
     assert not all(torch.equal(first, other) for other in others)
 

@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
             micro_of_call.append(counter.taken - 1)
             return default_hooks.allreduce_hook(state, bucket)
 
-        trainer.ddp.register_comm_hook(None, counting_allreduce)
+        trainer.parallel.ddp.register_comm_hook(None, counting_allreduce)
         summary = trainer.fit()
         if ctx.is_main:
             out.write_text(json.dumps({"world_size": ctx.world_size, "micro_batches": counter.taken,

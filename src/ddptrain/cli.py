@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import sys
-import traceback
 from pathlib import Path
 
 from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE, Preempted, UsageError
@@ -17,6 +16,7 @@ commands:
   doctor   check a node or cluster before training: versions, network, bandwidth, shared storage
   report   draw pictures and a report.md from a run dir
   export   write a checkpoint's weights as one .safetensors file
+  prepare-text  turn text files into byte-level token files for --dataset tokens
   plan     predict step time and scaling efficiency at 8..1024 GPUs
 """
 
@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else EXIT_USAGE
     command, rest = argv[0], argv[1:]
     handlers = {"train": cmd_train, "doctor": _lazy("ddptrain.doctor"), "report": _lazy("ddptrain.report"),
-                "export": _lazy("ddptrain.export"), "plan": _lazy("ddptrain.plan")}
+                "export": _lazy("ddptrain.export"), "plan": _lazy("ddptrain.plan"),
+                "prepare-text": _lazy("ddptrain.text")}
     if command not in handlers:
         print(f"ddptrain: error: unknown command {command!r}; use one of {', '.join(handlers)}", file=sys.stderr)
         return EXIT_USAGE
@@ -91,45 +92,11 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def run_worker(cfg) -> int:
-    """One training process: set up the process group, train, and turn failures into exit codes."""
-    import ddptrain.config as config_mod
-    from ddptrain import netinfo
-    from ddptrain.checkpoint import write_atomic
-    from ddptrain.distributed import distributed
-    from ddptrain.launch import LOCAL_LAUNCH_ENV
-    from ddptrain.observe.log import setup_logging
-    from ddptrain.observe.watchdog import record_for_launcher
-    from ddptrain.trainer import Trainer
+    """One training process (`ddptrain.api.train_worker`); a failure, already reported, is exit code 1."""
+    from ddptrain.api import WorkerFailed, train_worker
 
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx:
-        log = setup_logging(run_dir, ctx.rank, ctx.world_size, ctx.host)
-        log.debug("address %s on interface %s, device %s", ctx.addr, ctx.interface, ctx.device)
-        if ctx.is_main and ctx.world_size > 1:
-            log.info("ranks by host: %s", netinfo.describe_hosts(ctx.hosts, ctx.addrs))
-        step = "startup"
-        trainer = None
-        try:
-            if ctx.is_main and not os.environ.get(LOCAL_LAUNCH_ENV):  # else the launcher wrote it
-                write_atomic(run_dir / "config.toml", config_mod.to_toml(cfg).encode())
-                log.info("run dir %s · world size %d · backend %s · device %s", run_dir, ctx.world_size,
-                         ctx.backend, ctx.device)
-            trainer = Trainer(cfg, ctx, run_dir)
-            trainer.fit()
-            return 0
-        except (UsageError, Preempted):
-            raise
-        except Exception as exc:
-            step = trainer.position.step if trainer is not None else step
-            log.error("failed at step %s:\n%s", step, traceback.format_exc())
-            sys.stderr.write(traceback.format_exc())
-            sys.stderr.write(f"ddptrain: rank {ctx.rank} on host {ctx.host} failed at step {step}: "
-                             f"{type(exc).__name__}: {exc}"
-                             f"{netinfo.lost_peers_note(str(exc), ctx.hosts, ctx.addrs, ctx.addr)}\n")
-            record_for_launcher(exc)
-            ctx.failed = True
-            return EXIT_FAILURE
-        finally:
-            if trainer is not None:
-                trainer.close()  # loader workers stop now, not at a garbage collection after the group is gone
+    try:
+        train_worker(cfg)
+    except WorkerFailed:
+        return EXIT_FAILURE
+    return 0

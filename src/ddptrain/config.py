@@ -30,13 +30,24 @@ def opt(default: Any, help: str, *, choices: tuple | None = None, min: float | N
 @dataclass
 class TrainConfig:
     # --- model and data -------------------------------------------------------------------------
-    model: str = opt("mini_resnet", "model: built-in name (mini_resnet, mlp) or plug-in 'pkg.mod:fn' with "
+    task: str = opt("classification", "what a step computes: classification, regression, language_model, or "
+                    "plug-in 'pkg.mod:fn' with fn(cfg) -> an object with loss(model, batch)", group="model and data")
+    model: str = opt("mini_resnet", "model: built-in name (mini_resnet, mlp, gpt) or plug-in 'pkg.mod:fn' with "
                      "fn(cfg) -> nn.Module", group="model and data")
     dataset: str = opt("synthetic", "dataset: built-in name (synthetic, cifar10, cifar100, imagefolder, "
-                       "digits) or plug-in 'pkg.mod:fn' with fn(cfg) -> (train_ds, eval_ds | None)",
+                       "digits, pydoc, tokens) or plug-in 'pkg.mod:fn' with fn(cfg) -> (train_ds, eval_ds | None)",
                        group="model and data")
-    data_dir: str = opt("", "directory of a file-based dataset (cifar10, cifar100, imagefolder)",
+    data_dir: str = opt("", "directory of a file-based dataset (cifar10, cifar100, imagefolder, tokens)",
                         group="model and data")
+    top_k: int = opt(0, "classification: also report top-k accuracy for this k (0 = top-1 only)", min=0,
+                     group="model and data")
+    seq_len: int = opt(128, "language_model: tokens per training sequence (the model's context)", min=2,
+                       group="model and data")
+    vocab_size: int = opt(256, "gpt: vocabulary size (256 = bytes; token files say theirs)", min=2,
+                          group="model and data")
+    num_layers: int = opt(4, "gpt: transformer blocks", min=1, group="model and data")
+    num_heads: int = opt(4, "gpt: attention heads per block (width must divide by it)", min=1,
+                         group="model and data")
     num_classes: int = opt(10, "number of classes", min=2, group="model and data")
     in_channels: int = opt(3, "image channels", min=1, group="model and data")
     image_size: int = opt(32, "image height and width in pixels", min=4, group="model and data")
@@ -186,22 +197,30 @@ class TrainConfig:
             from ddptrain.observe.metrics import require_tensorboard
 
             require_tensorboard()
-        if self.dataset in BUILTIN_DATASETS and self.dataset != "synthetic":
+        if self.dataset in TEXT_DATASETS:
+            from ddptrain import text
+
+            text.check(self)
+        elif self.dataset in BUILTIN_DATASETS and self.dataset != "synthetic":
             from ddptrain import formats  # files present and well-formed, flags agree with the data
 
             formats.check(self)
-        for flag in ("model", "dataset"):
+        if self.model == "gpt" and self.width % self.num_heads:
+            raise UsageError(f"--width {self.width} must be a multiple of --num_heads {self.num_heads} for --model gpt")
+        for flag, builtins in (("task", BUILTIN_TASKS), ("model", BUILTIN_MODELS), ("dataset", BUILTIN_DATASETS)):
             name = getattr(self, flag)
             if ":" in name:
                 load_plugin(name, f"--{flag}")
-            elif name not in (BUILTIN_MODELS if flag == "model" else BUILTIN_DATASETS):
-                known = ", ".join(BUILTIN_MODELS if flag == "model" else BUILTIN_DATASETS)
-                raise UsageError(f"--{flag} {name!r}: not a built-in ({known}) nor a 'pkg.mod:fn' plug-in")
+            elif name not in builtins:
+                raise UsageError(f"--{flag} {name!r}: not a built-in ({', '.join(builtins)}) nor a 'pkg.mod:fn' "
+                                 "plug-in")
 
 
-BUILTIN_MODELS = ("mini_resnet", "mlp")
-FILE_DATASETS = ("cifar10", "cifar100", "imagefolder")
-BUILTIN_DATASETS = ("synthetic", "digits") + FILE_DATASETS
+BUILTIN_MODELS = ("mini_resnet", "mlp", "gpt")
+FILE_DATASETS = ("cifar10", "cifar100", "imagefolder", "tokens")
+BUILTIN_DATASETS = ("synthetic", "digits", "pydoc") + FILE_DATASETS
+BUILTIN_TASKS = ("classification", "regression", "language_model")
+TEXT_DATASETS = ("pydoc", "tokens")  # token windows for language models (text.py)
 
 
 def _cuda_available() -> bool:

@@ -22,9 +22,10 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from ddptrain.config import TrainConfig, load_plugin
+from ddptrain.batch import collate as collate_items
+from ddptrain.config import TEXT_DATASETS, TrainConfig, load_plugin
 from ddptrain.errors import UsageError
 
 EVAL_EPOCH = -1  # the epoch key of eval samples: no augmentation stream is tied to it
@@ -77,7 +78,7 @@ class SyntheticImages(Dataset):
 # --- per-sample seeding --------------------------------------------------------------------------
 
 class SeededSamples(Dataset):
-    """Wraps a map-style dataset; item keys are (epoch, index); returns (index, input, target).
+    """Wraps a map-style dataset; item keys are (epoch, index); returns (index, item).
 
     Before reading a sample, the global RNGs (torch CPU, numpy, random) are seeded from
     (seed, epoch, index), so random augmentation in any dataset — plug-ins included — is a function of
@@ -93,10 +94,10 @@ class SeededSamples(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: tuple[int, int]) -> tuple[int, Any, Any]:
+    def __getitem__(self, key: tuple[int, int]) -> tuple[int, Any]:
         return self.__getitems__([key])[0]
 
-    def __getitems__(self, keys: list[tuple[int, int]]) -> list[tuple[int, Any, Any]]:
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[tuple[int, Any]]:
         """A whole batch (the DataLoader's batched fetch). In the training process the RNG states are saved
         and restored once per batch rather than once per sample; each sample is still seeded by its key."""
         if not self.seeded or get_worker_info() is not None:  # a loader worker's RNGs serve nobody else
@@ -109,12 +110,11 @@ class SeededSamples(Dataset):
             np.random.set_state(saved[1])
             random.setstate(saved[2])
 
-    def _read(self, key: tuple[int, int]) -> tuple[int, Any, Any]:
+    def _read(self, key: tuple[int, int]) -> tuple[int, Any]:
         epoch, index = key
         if self.seeded:
             _seed_global_rngs(mix_seed(self.seed, epoch, index))
-        inputs, target = self.dataset[index]
-        return index, inputs, target
+        return index, self.dataset[index]
 
 
 def _seed_global_rngs(seed: int) -> None:
@@ -211,6 +211,10 @@ def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
         train = SyntheticImages(cfg.dataset_size, **shape)
         held_out = SyntheticImages(cfg.eval_size, offset=cfg.dataset_size, **shape) if cfg.eval_size else None
         return train, held_out
+    if cfg.dataset in TEXT_DATASETS:
+        from ddptrain import text
+
+        return text.build(cfg)
     from ddptrain import formats  # file formats: imported only when asked for
 
     return formats.build(cfg)
@@ -309,16 +313,17 @@ def draws_from_global_rngs(dataset: Dataset) -> bool:
     return vars(owner).get("uses_global_rng", True) is not False
 
 
-def collate(items: list[tuple[int, Any, Any]]) -> tuple[list[int], Any, Any]:
-    """(indices as a list, stacked inputs, stacked targets): the ids travel with the batch's pickle instead of
-    as a third shared-memory tensor, whose handoff from a loader worker would cost as much as a big one's."""
-    indices, inputs, targets = zip(*items)
-    return list(indices), default_collate(list(inputs)), default_collate(list(targets))
+def collate(items: list[tuple[int, Any]]) -> tuple[list[int], Any]:
+    """(indices as a list, the items collated into one batch of their structure): the ids travel with the
+    batch's pickle instead of as another shared-memory tensor, whose handoff from a loader worker would cost
+    as much as a big one's."""
+    indices, samples = zip(*items)
+    return list(indices), collate_items(list(samples))
 
 
 def make_loader(dataset: Dataset, batch_sampler: Any, cfg: TrainConfig, device: torch.device,
                 seed: int) -> DataLoader:
-    """A DataLoader over `SeededSamples` keys; yields (indices, inputs, targets) batches."""
+    """A DataLoader over `SeededSamples` keys; yields (indices, batch) pairs."""
     workers = cfg.num_workers
     return DataLoader(
         SeededSamples(dataset, cfg.seed),

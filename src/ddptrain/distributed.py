@@ -90,7 +90,6 @@ class DistributedContext:
     interface: str = ""  # the network interface of `addr`
     addrs: list[str] = field(default_factory=list)  # address of each rank, gathered with the hosts
     timeout_s: float = 0.0  # the collective timeout in force on every group
-    failed: bool = False  # set by a worker that caught its own failure: teardown then aborts
 
     @property
     def is_main(self) -> bool:
@@ -230,7 +229,7 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
     else:  # explicit: under srun there is no RANK / WORLD_SIZE for env:// to read
         kwargs.update(rank=env.rank, world_size=env.world_size)
     dist.init_process_group(**kwargs)
-    failed, ctx = False, None
+    failed = False
     try:
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
         ctx = DistributedContext(rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
@@ -246,7 +245,7 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
         failed = True
         raise
     finally:
-        _teardown(failed or (ctx is not None and ctx.failed))
+        _teardown(failed)
 
 
 def _teardown(failed: bool) -> None:

@@ -70,6 +70,56 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, width: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
+        heads = lambda t: t.view(batch, length, self.num_heads, width // self.num_heads).transpose(1, 2)  # noqa: E731
+        attended = nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """A small GPT-style decoder: token + learned position embeddings, pre-norm causal blocks, a final norm,
+    and an output layer tied to the token embedding. `forward(tokens)` -> (batch, length, vocab) logits."""
+
+    def __init__(self, vocab_size: int, seq_len: int, width: int, num_layers: int, num_heads: int):
+        super().__init__()
+        self.seq_len = seq_len
+        self.embed = nn.Embedding(vocab_size, width)
+        self.position = nn.Embedding(seq_len, width)
+        self.blocks = nn.ModuleList(Block(width, num_heads) for _ in range(num_layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size, bias=False)
+        self.head.weight = self.embed.weight  # tied: one matrix reads and writes tokens
+        for name, param in self.named_parameters():
+            if param.dim() == 2:
+                nn.init.normal_(param, std=0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(param)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.seq_len:
+            raise ValueError(f"sequence of {length} tokens is longer than the model's context of {self.seq_len}")
+        x = self.embed(tokens) + self.position(torch.arange(length, device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 def build_model(cfg: TrainConfig) -> nn.Module:
     """The model named by `--model`. Call with the same seed on every rank (DDP also broadcasts rank 0's)."""
     if ":" in cfg.model:
@@ -82,4 +132,6 @@ def build_model(cfg: TrainConfig) -> nn.Module:
         return MiniResNet(cfg.in_channels, cfg.num_classes, cfg.width, cfg.norm)
     if cfg.model == "mlp":
         return MLP(cfg.in_channels * cfg.image_size ** 2, cfg.num_classes, hidden=cfg.width)
+    if cfg.model == "gpt":
+        return GPT(cfg.vocab_size, cfg.seq_len, cfg.width, cfg.num_layers, cfg.num_heads)
     raise UsageError(f"--model {cfg.model!r}: unknown")

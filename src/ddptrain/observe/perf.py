@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -26,20 +27,26 @@ def known_peak_tflops(device: torch.device) -> float:
     return 0.0
 
 
-def train_flops_per_sample(model: nn.Module, sample: torch.Tensor) -> float:
-    """Forward FLOPs of one sample, counted by torch's FlopCounterMode, times 3 for forward + backward.
+def train_flops(model: nn.Module, forward: Callable[[], Any]) -> float:
+    """FLOPs of `forward()` (a forward pass of `model`, say over one sample), counted by torch's
+    FlopCounterMode, times 3 for forward + backward.
 
     The backward pass costs about twice the forward (grads w.r.t. inputs and weights), the usual
-    convention of MFU accounting. Runs the model once in eval mode under no_grad; state is unchanged.
+    convention of MFU accounting. Runs in eval mode under no_grad; state is unchanged.
     """
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(sample[:1])
+            forward()
     finally:
         model.train(was_training)
     return 3.0 * counter.get_total_flops()
+
+
+def train_flops_per_sample(model: nn.Module, sample: torch.Tensor) -> float:
+    """`train_flops` of the model on the first sample of a batch tensor."""
+    return train_flops(model, lambda: model(sample[:1]))
 
 
 def mfu(samples_per_sec_per_device: float, flops_per_sample: float, peak_tflops: float) -> float | None:

@@ -1,0 +1,150 @@
+"""The Python API: `ddptrain.fit(...)` trains your model from your own script.
+
+    import ddptrain
+    summary = ddptrain.fit(model=my_model, train_data=train_ds, eval_data=eval_ds,
+                           config=ddptrain.TrainConfig(epochs=3, batch_size=32, nproc=2))
+
+- Run as a plain script, `fit` trains in this process (world size 1), or with `nproc = N` starts N local
+  worker processes itself (the `mp.spawn` pattern: each imports your script, so guard the call with
+  `if __name__ == "__main__":`; model, data and task must pickle);
+- under torchrun (RANK set), each process runs its part of the job: `torchrun --nproc-per-node 2 my.py`.
+
+`ddptrain train` is a thin layer over `train_worker`, the same path each process takes here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from ddptrain.config import TrainConfig, to_toml
+from ddptrain.errors import Preempted, TrainingError, UsageError
+
+__all__ = ["fit", "train_worker", "WorkerFailed"]
+
+
+class WorkerFailed(TrainingError):
+    """This rank's training failed; the cause is already logged, on stderr and in the launcher's error file."""
+
+
+def train_worker(cfg: TrainConfig, *, model: Any = None, datasets: tuple[Any, Any] | None = None,
+                 task: Any = None) -> dict[str, Any]:
+    """One training process: process group, rank logs, the Trainer. Returns `Trainer.fit`'s summary.
+
+    Raises UsageError and Preempted as they are, and WorkerFailed for anything else after reporting it with
+    this rank, its host and the step; the process groups are then aborted rather than destroyed.
+    """
+    from ddptrain import netinfo
+    from ddptrain.checkpoint import write_atomic
+    from ddptrain.distributed import distributed
+    from ddptrain.launch import LOCAL_LAUNCH_ENV
+    from ddptrain.observe.log import setup_logging
+    from ddptrain.observe.watchdog import record_for_launcher
+    from ddptrain.trainer import Trainer
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx:
+        log = setup_logging(run_dir, ctx.rank, ctx.world_size, ctx.host)
+        log.debug("address %s on interface %s, device %s", ctx.addr, ctx.interface, ctx.device)
+        if ctx.is_main and ctx.world_size > 1:
+            log.info("ranks by host: %s", netinfo.describe_hosts(ctx.hosts, ctx.addrs))
+        trainer = None
+        try:
+            if ctx.is_main and not os.environ.get(LOCAL_LAUNCH_ENV):  # else the launcher wrote it
+                write_atomic(run_dir / "config.toml", to_toml(cfg).encode())
+                log.info("run dir %s · world size %d · backend %s · device %s", run_dir, ctx.world_size,
+                         ctx.backend, ctx.device)
+            trainer = Trainer(cfg, ctx, run_dir, model=model, datasets=datasets, task=as_task(task))
+            return trainer.fit()
+        except (UsageError, Preempted):
+            raise
+        except Exception as exc:
+            step = trainer.position.step if trainer is not None else "startup"
+            log.error("failed at step %s:\n%s", step, traceback.format_exc())
+            sys.stderr.write(traceback.format_exc())
+            line = (f"rank {ctx.rank} on host {ctx.host} failed at step {step}: {type(exc).__name__}: {exc}"
+                    f"{netinfo.lost_peers_note(str(exc), ctx.hosts, ctx.addrs, ctx.addr)}")
+            sys.stderr.write(f"ddptrain: {line}\n")
+            record_for_launcher(exc)
+            raise WorkerFailed(line) from exc
+        finally:
+            if trainer is not None:
+                trainer.close()  # loader workers stop now, not at a garbage collection after the group is gone
+
+
+def as_task(task: Any) -> Any:
+    """None (the config's --task), a built-in task's name, or any object with loss(model, batch)."""
+    from ddptrain.tasks import BUILTIN_TASKS, TASK_CLASSES, PluginTask, build_task
+
+    if task is None or isinstance(task, TASK_CLASSES):
+        return task
+    if isinstance(task, str):
+        if task not in BUILTIN_TASKS:
+            raise UsageError(f"task={task!r}: not a built-in ({', '.join(BUILTIN_TASKS)}); pass an object with "
+                             "loss(model, batch)")
+        return build_task(TrainConfig(task=task))
+    return PluginTask(task, type(task).__name__)
+
+
+def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: Any = None,
+        config: TrainConfig | None = None, **overrides: Any) -> dict[str, Any] | None:
+    """Train `model` on `train_data`, evaluating on `eval_data`, as `config` (plus keyword overrides) says.
+
+    `model`: an nn.Module, or fn(cfg) -> nn.Module (built after seeding, identically on every rank); None
+    for the config's --model. `train_data` / `eval_data`: map-style datasets whose items may be any nesting of
+    tensors; None for the config's --dataset. `task`: a built-in's name, an object with loss(model, batch)
+    (see ddptrain.tasks), or None for the config's --task. Returns the summary (step, epoch, eval metrics) in
+    the calling process, or None on ranks other than 0 under torchrun; raises UsageError for bad input and
+    TrainingError when training fails.
+    """
+    cfg = dataclasses.replace(config or TrainConfig(), **overrides)
+    if not cfg.run_dir:
+        cfg.run_dir = str(Path("runs") / Path(sys.argv[0] or "default").stem)
+    cfg.validate()
+    datasets = None if train_data is None else (train_data, eval_data)
+    from ddptrain.distributed import read_launch_env
+
+    env = read_launch_env()
+    if env.launched or not cfg.nproc:
+        summary = train_worker(cfg, model=model, datasets=datasets, task=task)
+        return summary if env.rank == 0 else None
+    return _spawn(cfg, model, datasets, task)
+
+
+def _spawn(cfg: TrainConfig, model: Any, datasets: Any, task: Any) -> dict[str, Any]:
+    """`cfg.nproc` local workers with torchrun's environment on a free port; rank 0's summary."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    try:
+        mp.start_processes(_spawned, args=(cfg, port, model, datasets, task, results), nprocs=cfg.nproc,
+                           start_method="spawn")
+    except mp.ProcessRaisedException as exc:
+        raise TrainingError(str(exc).strip().splitlines()[-1]) from None
+    except mp.ProcessExitedException as exc:
+        raise TrainingError(f"a worker exited with code {exc.exit_code}") from None
+    return results.get()
+
+
+def _spawned(rank: int, cfg: TrainConfig, port: int, model: Any, datasets: Any, task: Any,
+             results: Any) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.nproc),
+                      LOCAL_WORLD_SIZE=str(cfg.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if "OMP_NUM_THREADS" not in os.environ:  # as `--nproc` gives its workers: the cores shared out
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.nproc))
+    summary = train_worker(cfg, model=model, datasets=datasets, task=task)
+    if rank == 0:
+        results.put(summary)
+

@@ -1,0 +1,130 @@
+"""The train line of metrics.jsonl: a window's numbers reduced over ranks once per log step, with the
+step-time breakdown, throughput, MFU and straggler statistics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from ddptrain.distributed import DistributedContext
+from ddptrain.observe import perf
+from ddptrain.observe.metrics import MetricSinks, ProgressBar
+from ddptrain.state import MetricWindow
+
+log = logging.getLogger("ddptrain")
+
+
+class Clock:
+    """Timestamps for the step-time breakdown: host clock on CPU, CUDA events on GPU (read at log steps)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1000.0 if self.cuda else end - start
+
+
+class TrainLog:
+    """Turns a `MetricWindow` into one train line. `write` must be called on all ranks (one gather)."""
+
+    def __init__(self, ctx: DistributedContext, sinks: MetricSinks | None, clock: Clock, global_batch_size: int,
+                 unit: str, flops_per_sample: float, peak_tflops: float, straggler_skew: float):
+        self.ctx, self.sinks, self.clock = ctx, sinks, clock
+        self.global_batch_size, self.unit = global_batch_size, unit
+        self.flops_per_sample, self.peak_tflops = flops_per_sample, peak_tflops
+        self.straggler_skew = straggler_skew
+        self._streak: dict[int, int] = {}
+
+    def write(self, window: MetricWindow, step: int, epoch: int, total_steps: int, lr: float,
+              bar: ProgressBar) -> None:
+        """Reduce the window's numbers over ranks and write one train line. The step's only host sync."""
+        ctx = self.ctx
+        # The window's numbers come to the host here, once; one gather on the CPU control group then gives
+        # every rank every rank's sums and timings: a single collective per log step.
+        loss_sum, count, bad_loss = torch.stack([window.loss, window.count, window.bad_loss]).tolist()
+        window_base = (step - 1) // window.log_interval * window.log_interval
+        bad_steps = [window_base + i + 1 for i, flag in enumerate(window.bad_steps.tolist()) if flag]
+        elapsed = time.perf_counter() - window.started
+        # Times cover the steps this process ran; after a resume the restored window also holds steps that
+        # the previous process timed.
+        steps = max(len(window.spans), 1)
+        breakdown = {"fwd_bwd": 0.0, "optimizer": 0.0, "forward": 0.0}
+        for spans in window.spans:
+            for name, start, end in spans:
+                breakdown[name] += self.clock.seconds(start, end)
+        # Per-rank timing for straggler detection: step time, data wait and own time (data wait + forward).
+        own = (window.data_wait + breakdown["forward"]) / steps
+        rows = ctx.gather_floats([loss_sum, count, bad_loss, elapsed / steps, window.data_wait / steps, own,
+                                  window.units])
+        loss_sum, count = sum(r[0] for r in rows), sum(r[1] for r in rows)
+        bad_loss_ranks = [rank for rank, r in enumerate(rows) if r[2] > 0]
+        if (bad_steps or bad_loss_ranks) and ctx.is_main:
+            where = f"non-finite loss on rank(s) {bad_loss_ranks}" if bad_loss_ranks else "non-finite gradients"
+            log.warning("non-finite gradient norm at step(s) %s (%s): update skipped (--on_nonfinite skip)",
+                        bad_steps, where)
+        if not ctx.is_main:
+            return
+        ran = len(window.spans)
+        samples_per_sec = ran * self.global_batch_size / elapsed if elapsed > 0 else 0.0
+        record = {
+            "time": time.time(), "step": step, "epoch": epoch, "split": "train",
+            "loss": loss_sum / count if count else float("nan"),
+            "lr": lr,
+            "samples_per_sec": samples_per_sec,
+            "samples_per_sec_per_rank": samples_per_sec / ctx.world_size,
+            "grad_norm": float(window.last_norm),
+            "step_time_s": elapsed / steps,
+            "data_wait_s": window.data_wait / steps,
+            "fwd_bwd_s": breakdown["fwd_bwd"] / steps,
+            "optimizer_s": breakdown["optimizer"] / steps,
+            "peak_mem_mb": perf.peak_memory_mb(ctx.device),
+            "nonfinite_steps": len(bad_steps),
+            **self._straggler_fields([r[3:6] for r in rows]),
+        }
+        if self.unit == "tokens":
+            tokens_per_sec = sum(r[6] for r in rows) / elapsed if elapsed > 0 else 0.0
+            record["tokens_per_sec"] = tokens_per_sec
+            record["tokens_per_sec_per_rank"] = tokens_per_sec / ctx.world_size
+        mfu = perf.mfu(record["samples_per_sec_per_rank"], self.flops_per_sample, self.peak_tflops)
+        if mfu is not None:
+            record["mfu"] = mfu
+        self.sinks.write(record)
+        log.info("train step %d/%d epoch %d: loss %.4f lr %.4g %.1f samples/s (data wait %.1f%%)",
+                 step, total_steps, epoch, record["loss"], lr, samples_per_sec,
+                 100 * record["data_wait_s"] / max(record["step_time_s"], 1e-9))
+        bar.update(step, epoch, record["loss"], samples_per_sec)
+
+    def _straggler_fields(self, per_rank: list[list[float]]) -> dict[str, Any]:
+        """Slowest rank, its host and the skew (max/median) of the ranks' own time per step.
+
+        In synchronous DDP every rank's step takes the same wall time: the fast ranks wait for the slow one
+        inside the gradient all-reduce. So a straggler is found by its own time, data wait + forward, which
+        no collective pads.
+        """
+        times = [t for t, _, _ in per_rank]
+        own = [o for _, _, o in per_rank]
+        slowest = max(range(len(own)), key=own.__getitem__)
+        median = float(np.median(own))
+        skew = own[slowest] / median if median > 0 else 1.0
+        for rank in range(len(own)):
+            streak = self._streak.get(rank, 0)
+            self._streak[rank] = streak + 1 if own[rank] >= self.straggler_skew * median else 0
+        if self._streak.get(slowest, 0) == 3:
+            log.warning("straggler: rank %d on host %s (%s) has been %.2fx the median time of data wait + "
+                        "forward for 3 log intervals", slowest, self.ctx.hosts[slowest], self.ctx.addrs[slowest],
+                        skew)
+        return {"slowest_rank": slowest, "slowest_host": self.ctx.hosts[slowest], "step_time_skew": skew,
+                "data_wait_max_s": max(w for _, w, _ in per_rank),
+                "step_time_s_by_rank": [round(t, 6) for t in times],
+                "data_wait_s_by_rank": [round(w, 6) for _, w, _ in per_rank]}

@@ -1,0 +1,150 @@
+"""Token streams for language models: flat token files read with np.memmap, served as fixed windows.
+
+A token directory, as `ddptrain prepare-text` writes it::
+
+    meta.json        {"format": "ddptrain-tokens/1", "dtype": "uint16", "vocab_size": 256,
+                      "tokenizer": "bytes", "train": ["train-00000.bin", ...], "eval": ["eval-00000.bin"]}
+    train-00000.bin  flat little-endian tokens, one shard after another (as large corpora are stored)
+
+Sample i of a split is window i: `seq_len + 1` consecutive tokens of one shard (the model reads the first
+`seq_len`, and predicts each next one), windows stepping by `seq_len` and never crossing a shard. A split
+is then an ordinary map-style dataset, so the global sample cursor gives token streams the same
+guarantees as images: bit-exact resume and sample-exact world-size changes. `--dataset pydoc` serves the
+English text that ships with CPython (`pydoc_data.topics`, ~466k bytes) the same way, bytes as tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ddptrain.config import TrainConfig
+from ddptrain.errors import UsageError
+
+FORMAT = "ddptrain-tokens/1"
+DTYPES = ("uint16", "uint32")
+EVAL_FRACTION = 0.1  # of pydoc's text, and prepare-text's default
+
+
+class TokenWindows(Dataset):
+    """Windows of `seq_len + 1` tokens over one or more flat token arrays (memory-mapped files)."""
+
+    uses_global_rng = False  # a window is a slice: nothing random
+
+    def __init__(self, shards: list[np.ndarray], seq_len: int):
+        self.shards, self.seq_len = shards, seq_len
+        counts = [max(0, (len(shard) - 1) // seq_len) for shard in shards]
+        self.starts = np.cumsum([0] + counts).tolist()  # window index where each shard begins
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        shard = bisect.bisect_right(self.starts, index) - 1
+        offset = (index - self.starts[shard]) * self.seq_len
+        window = self.shards[shard][offset:offset + self.seq_len + 1]
+        return torch.from_numpy(window.astype(np.int64))
+
+
+def pydoc_tokens() -> np.ndarray:
+    """CPython's pydoc topics as bytes, topics in sorted order: the same corpus on every machine."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+
+def read_meta(data_dir: str) -> dict:
+    """The token directory's meta.json, checked; UsageError naming the file and the fix."""
+    path = Path(data_dir) / "meta.json"
+    if not path.is_file():
+        raise UsageError(f"--data_dir {data_dir}: no meta.json; write token files with `ddptrain prepare-text "
+                         f"{data_dir} FILE...`")
+    try:
+        meta = json.loads(path.read_text())
+    except ValueError as exc:
+        raise UsageError(f"{path}: not valid JSON ({exc})") from None
+    if meta.get("format") != FORMAT or meta.get("dtype") not in DTYPES or not meta.get("train"):
+        raise UsageError(f"{path}: not a {FORMAT} meta.json with a dtype of {', '.join(DTYPES)} and train files")
+    for name in meta["train"] + meta.get("eval", []):
+        shard = Path(data_dir) / name
+        if not shard.is_file():
+            raise UsageError(f"{path} lists {name}, which is missing from --data_dir {data_dir}")
+        if shard.stat().st_size % np.dtype(meta["dtype"]).itemsize:
+            raise UsageError(f"{shard}: size is not a whole number of {meta['dtype']} tokens (truncated?)")
+    return meta
+
+
+def check(cfg: TrainConfig) -> None:
+    """Config against the token source: the vocabulary must hold every token id."""
+    vocab = 256 if cfg.dataset == "pydoc" else read_meta(cfg.data_dir)["vocab_size"]
+    if cfg.vocab_size < vocab:
+        raise UsageError(f"--vocab_size {cfg.vocab_size} is smaller than --dataset {cfg.dataset}'s vocabulary of "
+                         f"{vocab} tokens; pass --vocab_size {vocab}")
+
+
+def build(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
+    """(train, eval or None) windows for `--dataset pydoc` or `--dataset tokens`."""
+    check(cfg)
+    if cfg.dataset == "pydoc":
+        tokens = pydoc_tokens()
+        split = int(len(tokens) * (1 - EVAL_FRACTION))
+        return TokenWindows([tokens[:split]], cfg.seq_len), TokenWindows([tokens[split:]], cfg.seq_len)
+    meta = read_meta(cfg.data_dir)
+    open_shards = lambda names: [np.memmap(Path(cfg.data_dir) / n, dtype=meta["dtype"], mode="r")  # noqa: E731
+                                 for n in names]
+    train = TokenWindows(open_shards(meta["train"]), cfg.seq_len)
+    held_out = TokenWindows(open_shards(meta["eval"]), cfg.seq_len) if meta.get("eval") else None
+    return train, held_out
+
+
+# --- `ddptrain prepare-text` ---------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message}; see `{self.prog} --help`")
+
+
+def main(argv: list[str]) -> int:
+    parser = _Parser(prog="ddptrain prepare-text",
+                     description="Turn text files into byte-level token files for --dataset tokens.")
+    parser.add_argument("out_dir", help="directory to write meta.json and the .bin shards into")
+    parser.add_argument("files", nargs="+", help="UTF-8 text files, read in the order given")
+    parser.add_argument("--eval_fraction", type=float, default=EVAL_FRACTION,
+                        help=f"share of the tokens, from the end, held out for eval (default {EVAL_FRACTION})")
+    parser.add_argument("--shard_tokens", type=int, default=1 << 27,
+                        help="tokens per shard file (default 134217728: 256 MiB of uint16)")
+    args = parser.parse_args(argv)
+    if not 0 <= args.eval_fraction < 1:
+        raise UsageError(f"--eval_fraction must be in [0, 1) (got {args.eval_fraction})")
+    if args.shard_tokens < 2:
+        raise UsageError(f"--shard_tokens must be >= 2 (got {args.shard_tokens})")
+    chunks = []
+    for name in args.files:
+        path = Path(name)
+        if not path.is_file():
+            raise UsageError(f"{name}: no such file; pass text files to tokenize")
+        chunks.append(np.frombuffer(path.read_bytes(), dtype=np.uint8))
+    tokens = np.concatenate(chunks).astype(np.uint16)
+    split = len(tokens) - int(len(tokens) * args.eval_fraction)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"format": FORMAT, "dtype": "uint16", "vocab_size": 256, "tokenizer": "bytes", "train": [], "eval": []}
+    for split_name, part in (("train", tokens[:split]), ("eval", tokens[split:])):
+        for number, start in enumerate(range(0, len(part), args.shard_tokens)):
+            name = f"{split_name}-{number:05d}.bin"
+            part[start:start + args.shard_tokens].tofile(out / name)
+            meta[split_name].append(name)
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"wrote {split:,} train and {len(tokens) - split:,} eval tokens ({len(meta['train'])} + "
+          f"{len(meta['eval'])} shards) to {out}; train with --task language_model --model gpt --dataset tokens "
+          f"--data_dir {out}")
+    return 0
