@@ -10,7 +10,11 @@ GPU each of these waits for the device, so a clean count is what keeps the devic
 
 One read is expected and counted apart: `LaggedVote.drain`, the preemption/timed-save flags all-reduced on
 the gloo control group between steps. That tensor is built on the CPU from Python bools on every device, so
-reading it never waits for an accelerator. Rank 0 writes OUT.json.
+reading it never waits for an accelerator.
+
+Alongside, it records the step settings as the live objects hold them (the optimizer, the DDP wrapper, the
+train loader), how each step's `zero_grad` left the gradients, and how `train_step` moved each micro-batch
+to the device. Rank 0 writes OUT.json.
 """
 
 from __future__ import annotations
@@ -64,27 +68,77 @@ class HostReadCounter:
             setattr(torch.Tensor, name, original)
 
 
+def live_settings(trainer: Trainer) -> dict[str, Any]:
+    """The settings that keep a step cheap, read off the objects the Trainer built."""
+    ddp, loader = trainer.ddp, trainer.train_loader
+    return {"fused": trainer.optimizer.defaults.get("fused"), "optimizer": type(trainer.optimizer).__name__,
+            "gradient_as_bucket_view": ddp.gradient_as_bucket_view, "static_graph": ddp.static_graph,
+            "bucket_bytes_cap": ddp.bucket_bytes_cap, "num_workers": loader.num_workers,
+            "persistent_workers": loader.persistent_workers, "pin_memory": loader.pin_memory,
+            "prefetch_factor": loader.prefetch_factor}
+
+
+def trace_zero_grad(trainer: Trainer) -> list[tuple[int, int]]:
+    """Per `zero_grad` call: (parameters with a .grad before it, after it)."""
+    calls: list[tuple[int, int]] = []
+    zero_grad = trainer.optimizer.zero_grad
+
+    def traced(*args: Any, **kwargs: Any) -> None:
+        before = sum(p.grad is not None for p in trainer.params)
+        zero_grad(*args, **kwargs)
+        calls.append((before, sum(p.grad is not None for p in trainer.params)))
+
+    trainer.optimizer.zero_grad = traced
+    return calls
+
+
+class DeviceMoves:
+    """The `non_blocking` argument of every Tensor.to that Trainer.train_step calls while active."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.non_blocking: list[bool] = []
+        self._original = torch.Tensor.to
+
+    def __enter__(self) -> DeviceMoves:
+        def to(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            caller = sys._getframe(1).f_code
+            if self.active and caller.co_name == "train_step" and caller.co_filename.endswith("trainer.py"):
+                self.non_blocking.append(kwargs.get("non_blocking", False))
+            return self._original(tensor, *args, **kwargs)
+
+        torch.Tensor.to = to
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.Tensor.to = self._original
+
+
 def main(argv: list[str]) -> None:
     out, cfg = Path(argv[0]), resolve_config(argv[1:])
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx, HostReadCounter() as counter:
+    with (distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx, HostReadCounter() as counter,
+          DeviceMoves() as moves):
         trainer = Trainer(cfg, ctx, run_dir)
+        zero_grads = trace_zero_grad(trainer)
         counted_steps = []
 
         def on_boundary(steps_done: int) -> None:
             # Count from the start of step 2 (step 1 warms up) to the start of the first log step.
-            counter.active = 1 <= steps_done < cfg.log_interval - 1
+            counter.active = moves.active = 1 <= steps_done < cfg.log_interval - 1
             if counter.active:
                 counted_steps.append(steps_done + 1)
 
         StepProbe(trainer, on_boundary)
         trainer.fit()
-        counter.active = False
+        counter.active = moves.active = False
         trainer.close()
         if ctx.is_main:
             out.write_text(json.dumps({"reads": counter.reads, "control_reads": counter.control_reads,
-                                       "steps": counted_steps, "world_size": ctx.world_size}))
+                                       "steps": counted_steps, "world_size": ctx.world_size,
+                                       "settings": live_settings(trainer), "zero_grads": zero_grads,
+                                       "non_blocking": moves.non_blocking}))
 
 
 if __name__ == "__main__":

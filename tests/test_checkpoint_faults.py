@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import last_committed, metrics, one_line_error, plant_hostile, train
+from helpers import last_committed, metrics, one_line_error, plant_hostile, run_cli, train
 
 SAVES = ["--save_every_steps", "2", "--keep_last", "0", "--epochs", "1"]
 
@@ -85,27 +85,50 @@ def test_no_usable_checkpoint_is_a_clear_error_and_nothing_is_overwritten(three_
 
 
 # --- hostile pickles ------------------------------------------------------------------------------
+# torch >= 2.6 already defaults to weights_only=True; a user may turn that default off with this variable, and
+# the checkpoint must stay safe: so the tests turn it off, and only the loader's own weights_only=True is left.
+UNSAFE_DEFAULT = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+
+
+@pytest.fixture
+def hostile_run(tmp_path) -> tuple[Path, Path]:
+    """(run dir, sentinel): a 1-process run with one committed checkpoint, step 2, and a sentinel path that
+    a payload would create."""
+    run_dir = tmp_path / "run"
+    train(run_dir, "--save_every_steps", "2", "--keep_last", "0", "--max_steps", "2")
+    return run_dir, tmp_path / "pwned"
+
 
 @pytest.mark.parametrize("name", ["optimizer.pt", "trainer.pt"])
-@pytest.mark.parametrize("path", ["auto", "explicit"])
-def test_hostile_pickle_is_refused_on_every_load_path(three_checkpoints, tmp_path_factory, name, path):
-    run_dir = three_checkpoints
-    sentinel = tmp_path_factory.mktemp("sentinel") / "pwned"
-    for step in (2, 4, 6):
-        plant_hostile(run_dir / "checkpoints" / f"step-{step}", name, sentinel)
-    extra = ["--resume_from", str(run_dir / "checkpoints" / "step-6")] if path == "explicit" else []
-    line = one_line_error(rerun(run_dir, *extra, check=False))
-    assert f"{name} refused by the safe loader" in line
+@pytest.mark.parametrize("path", ["auto", "explicit", "export"])
+def test_hostile_pickle_is_refused_on_every_load_path(hostile_run, name, path):
+    """Resuming (newest checkpoint or --resume_from) and `ddptrain export` refuse it: exit 2, code never run."""
+    run_dir, sentinel = hostile_run
+    checkpoint = run_dir / "checkpoints" / "step-2"
+    plant_hostile(checkpoint, name, sentinel)
+    out = run_dir / "exported.safetensors"
+    if path == "export":
+        proc = run_cli(["export", str(checkpoint), str(out)], env=UNSAFE_DEFAULT)
+    else:
+        extra = ["--resume_from", str(checkpoint)] if path == "explicit" else []
+        proc = train(run_dir, "--max_steps", "4", *extra, env=UNSAFE_DEFAULT, check=False)
+    line = one_line_error(proc)
+    assert f"{name} refused by the safe loader" in line, line
     assert not sentinel.exists(), "unpickling ran the payload"
+    assert not out.exists() and not (run_dir / "checkpoints" / "step-4").exists()
 
 
-def test_hostile_pickle_in_place_of_the_safetensors_file_is_refused(three_checkpoints, tmp_path):
-    run_dir = three_checkpoints
-    sentinel = tmp_path / "pwned"
-    plant_hostile(run_dir / "checkpoints" / "step-6", "model.safetensors", sentinel)
-    rerun(run_dir)
-    assert "model.safetensors does not parse" in rank0_log(run_dir)
-    assert not sentinel.exists()
+def test_a_pickle_in_place_of_the_safetensors_file_does_not_parse_and_never_runs(hostile_run):
+    """model.safetensors is never unpickled, whatever it holds: a re-signed pickle there is an unparsable
+    checkpoint (exit 2 from export), not a fallback to torch.load."""
+    run_dir, sentinel = hostile_run
+    checkpoint = run_dir / "checkpoints" / "step-2"
+    plant_hostile(checkpoint, "model.safetensors", sentinel)
+    out = run_dir / "exported.safetensors"
+    line = one_line_error(run_cli(["export", str(checkpoint), str(out)], env=UNSAFE_DEFAULT))
+    assert f"{checkpoint}: unusable checkpoint: model.safetensors does not parse" in line, line
+    assert not sentinel.exists(), "the weights file was unpickled"
+    assert not out.exists()
 
 
 # --- the manifest and retention ------------------------------------------------------------------

@@ -1,13 +1,12 @@
 """Hot-path hygiene: nothing in a non-log step reads the device, and the settings that keep steps cheap hold.
 
-The CPU test counts Python-level reads of tensor values (tests/hot_path_worker.py says which and why) in
-real 2-process gloo training with gradient accumulation. The GPU test is the stronger check: CUDA's own
+The CPU tests count Python-level reads of tensor values (tests/hot_path_worker.py says which and why) in
+real 2-process gloo training with gradient accumulation, and read the step settings off that run's objects. The GPU test is the stronger check: CUDA's own
 sync debug mode raises on any synchronizing call, Python or C++, during non-log steps.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -21,6 +20,7 @@ from helpers import REPO, TINY, cli_env
 from ddptrain.checkpoint import _cpu_copy
 from ddptrain.config import resolve_config
 from ddptrain.data import SeededSamples, SyntheticImages, make_loader
+from ddptrain.models import MiniResNet
 from ddptrain.trainer import Trainer, build_optimizer
 
 # A conv net with BatchNorm (DDP broadcasts its buffers every forward) and accumulation (no_sync).
@@ -28,14 +28,21 @@ CONV = ["--model", "mini_resnet", "--width", "8", "--batch_size", "8", "--datase
         "--grad_accum_steps", "2", "--log_interval", "6", "--max_steps", "7", "--eval_size", "0", "--num_workers", "1"]
 
 
-def test_non_log_steps_read_nothing_from_the_device(tmp_path):
+@pytest.fixture(scope="module")
+def worker_result(tmp_path_factory) -> dict:
+    """tests/hot_path_worker.py's OUT.json from one real 2-process run with CONV."""
+    tmp_path = tmp_path_factory.mktemp("hot_path")
     out = tmp_path / "reads.json"
     env = cli_env({"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])})
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(REPO / "tests" / "hot_path_worker.py"), str(out), *TINY, *CONV, "--run_dir",
                            str(tmp_path / "run")], capture_output=True, text=True, env=env, cwd=REPO, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_non_log_steps_read_nothing_from_the_device(worker_result):
+    result = worker_result
     assert result["steps"] == [2, 3, 4, 5], result["steps"]
     assert result["reads"] == [], "host reads in non-log steps:\n" + "\n".join(
         f"{r['method']} on {r['device']}:\n{r['where']}" for r in result["reads"])
@@ -71,15 +78,28 @@ def test_no_cuda_sync_in_non_log_steps(tmp_path):
     assert checked == [2, 3, 4, 5]
 
 
-def test_step_settings_that_avoid_known_traps(tmp_path):
+def test_step_settings_that_avoid_known_traps_hold_on_the_live_objects(worker_result, tmp_path):
+    """As the 2-process run's Trainer built them: a fused optimizer (one kernel; on-device inf skip), DDP
+    gradients that alias its buckets, persistent loader workers (no re-fork per epoch), gradients set to None
+    by each step's zero_grad (no memset), and every micro-batch moved to the device without blocking."""
+    cfg = resolve_config([*TINY, *CONV, "--run_dir", str(tmp_path)])
+    assert worker_result["settings"] == {
+        "fused": True, "optimizer": "SGD", "gradient_as_bucket_view": True, "static_graph": False,
+        "bucket_bytes_cap": int(cfg.bucket_cap_mb * 2**20), "num_workers": 1, "persistent_workers": True,
+        "pin_memory": False, "prefetch_factor": 4}  # no pinning on CPU
+    num_params = len(list(MiniResNet(width=8).parameters()))
+    # Step 1 starts without gradients; every later step finds the previous step's and drops them all.
+    assert worker_result["zero_grads"] == [[0, 0]] + [[num_params, 0]] * 6, worker_result["zero_grads"]
+    # Steps 2-5, 2 micro-batches each: inputs and targets.
+    assert worker_result["non_blocking"] == [True] * (4 * 2 * 2), worker_result["non_blocking"]
+
+
+def test_optimizers_are_fused_and_loaders_pin_memory_for_cuda_only(tmp_path):
     cfg = resolve_config([*TINY, "--run_dir", str(tmp_path)], validate=False)
     params = [torch.nn.Parameter(torch.zeros(3))]
     for optimizer in ("sgd", "adamw"):
         cfg.optimizer = optimizer
-        assert build_optimizer(cfg, params, 0.1).defaults["fused"] is True  # one kernel; on-device inf skip
-    source = inspect.getsource(Trainer.train_step)
-    assert "zero_grad(set_to_none=True)" in source
-    assert source.count("non_blocking=True") >= 2  # inputs and targets
+        assert build_optimizer(cfg, params, 0.1).defaults["fused"] is True
     cfg.num_workers = 0
     data = SyntheticImages(8, 2, 1, 4, seed=0)
     assert make_loader(data, [[(0, 0)]], cfg, torch.device("cuda"), seed=0).pin_memory is True

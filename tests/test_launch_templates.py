@@ -223,21 +223,20 @@ def test_sbatch_usr1_checkpoints_and_requeues(tmp_path):
                            cwd=tmp_path)
     try:
         wait_until(lambda: last_train_step(run_dir) >= 2, job, tmp_path / "sbatch.out", limit_s=150)
-        signalled = time.monotonic()
         _signal_step(fake, signal.SIGUSR1)
         assert job.wait(timeout=120) == 0, (tmp_path / "sbatch.out").read_text()
     finally:
         _signal_step(fake, signal.SIGKILL)  # only if the test failed: normally nothing is left
         job.kill()
         job.wait()
-    took = time.monotonic() - signalled
     output = (tmp_path / "sbatch.out").read_text()
     marker = json.loads((run_dir / "PREEMPTED").read_text())
     assert marker["signal"] == "SIGUSR1"
     assert (run_dir / "checkpoints" / f"step-{marker['step']}" / "manifest.json").is_file()
     assert marker["step"] < 400, "the signal arrived after training ended"
     assert "scontrol requeue 4242" in (fake / "log").read_text()
-    assert "preempted" in output and took < 60, (took, output)
+    assert "preempted" in output, output
+    assert last_train_step(run_dir) <= marker["step"], "training went on after the preemption checkpoint"
     task_output = (fake / "task-0.out").read_text()  # both workers agreed on the same step
     expected = f"WARNING preempted (SIGUSR1): checkpoint of step {marker['step']} committed"
     for rank in (0, 1):

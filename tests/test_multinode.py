@@ -2,7 +2,7 @@
 
 Each namespace has its own 10.77.0.x address on an interface named ddp0 (the veth ends exist only inside
 the namespaces). The hosts share this machine's hostname, so the logs tell them apart by address. Needs
-root and iproute2; skipped, with the reason, where namespaces cannot be created.
+root and iproute2; where namespaces cannot be created they are skipped with the reason, and fail under CI.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 from helpers import REPO, TINY, cli_env, metrics
@@ -53,12 +54,19 @@ def _kill_all_in(netns: str) -> None:
             pass
 
 
+def unavailable(reason: str) -> NoReturn:
+    """Skip on a developer's machine; fail in CI (CI set), which must run these tests, not report them skipped."""
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        pytest.fail(f"two-host tests cannot run in CI: {reason} (.ci/run installs iproute2; run as root)")
+    pytest.skip(reason)
+
+
 @pytest.fixture
 def hosts(tmp_path):
     if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
+        unavailable("network namespaces need root")
     if shutil.which("ip") is None:
-        pytest.skip("iproute2 (the `ip` command) is not installed")
+        unavailable("iproute2 (the `ip` command) is not installed")
     tag = str(os.getpid())
     made: list[str] = []
     nodes = [Host(f"ddpt{tag}{side}", f"{SUBNET}.{n + 1}", tmp_path / f"host-{n}.out") for n, side in enumerate("ab")]
@@ -77,7 +85,7 @@ def hosts(tmp_path):
     except subprocess.CalledProcessError as exc:
         for netns in made:
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
-        pytest.skip(f"cannot create network namespaces here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
+        unavailable(f"cannot create network namespaces here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
     try:
         yield nodes
     finally:
@@ -154,13 +162,13 @@ def test_static_rendezvous_survivor_names_the_lost_host(hosts, tmp_path):
     for rank, node in enumerate(hosts):
         start(node, train_args(run_dir, "--inject_fault", "rank=2,step=3,kind=hang"), **static_env(hosts, rank))
     wait_for(lambda: committed(run_dir, 2), hosts)
-    killed = time.monotonic()
     _kill_all_in(hosts[1].netns)
+    # The survivor ends by itself, on the lost connection: neither the collectives' timeout (300 s) nor the
+    # watchdog's (600 s) fits in the safety limit, and neither is what it reports.
     assert finish(hosts[0], limit_s=120) != 0
-    took = time.monotonic() - killed
-    assert took < 60, f"the survivor took {took:.0f} s to exit"
     output = hosts[0].output()
     assert re.search(rf"lost rank 2, 3 on host \S+ \({re.escape(hosts[1].addr)}\)", output), output
+    assert "timed out" not in output.lower() and "hang:" not in output, output
 
 
 def test_c10d_rendezvous_loses_a_host_and_the_survivor_resumes(hosts, tmp_path):
