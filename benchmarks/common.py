@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ddptrain.procenv import fresh_env
+from ddptrain.tables import format_table
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -21,8 +24,7 @@ class BenchError(RuntimeError):
 
 def bench_env(threads: int | None = None) -> dict[str, str]:
     """The environment of launched workers: no inherited launcher variables, the repo importable."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "DDPTRAIN_", "GROUP_"))}
+    env = fresh_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")]))
     env["PYTHONUNBUFFERED"] = "1"
     if threads is not None:
@@ -153,11 +155,8 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of `Row.to_json()` dicts, then the notes (every MISS has one)."""
     header = ["benchmark", "ddptrain", "baseline", "figure", "target", "verdict"]
     cells = [[r["benchmark"], r["ddptrain"], r["baseline"], r["figure"], r["target"], r["verdict"]] for r in rows]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
-    line = lambda values: "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"  # noqa: E731
-    out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(c) for c in cells)]
     notes = [f"- {r['benchmark']}: {r['note']}" for r in rows if r["note"]]
-    return "\n".join(out) + ("\n\nNotes:\n" + "\n".join(notes) if notes else "")
+    return format_table(header, cells, markdown=True) + ("\n\nNotes:\n" + "\n".join(notes) if notes else "")
 
 
 def fmt_ms(seconds: float) -> str:

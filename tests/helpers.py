@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ddptrain.procenv import fresh_env
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A tiny, fast, BatchNorm-free job: results are exactly comparable across world sizes. Batch and lr are
@@ -21,8 +23,7 @@ TINY = ["--model", "mlp", "--image_size", "8", "--width", "32", "--dataset_size"
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC", "DDPTRAIN_", "SLURM_"))}
+    env = fresh_env()
     # This checkout's sources first: a test exercises the tree it sits in, whichever one pip installed.
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests")])})

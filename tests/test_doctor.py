@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import cli_env, one_line_error, run_cli
+from helpers import REPO, cli_env, one_line_error, run_cli
 
 from ddptrain import doctor
+from ddptrain.procenv import free_port
 
+# Rank 1 as a node with an unshared disk and other code (tests/odd_node/sitecustomize.py does it).
+ODD_RANK_1 = {"PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("src", "tests", "tests/odd_node")),
+              "ODD_NODE_RANK": "1", "ODD_NODE_CODE_HASH": "0badc0de0bad"}
 SIZES = ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB", "64 MiB"]
 
 
@@ -38,7 +42,7 @@ def test_two_local_processes_are_healthy_with_a_full_sweep(tmp_path):
 
 def test_unshared_run_dir_and_odd_code_are_reported(tmp_path):
     proc = run_cli(["doctor", "--nproc", "2", "--run_dir", str(tmp_path / "run"), "--max_mb", "1"],
-                   env={doctor.HOOK_VAR: "rank=1,private_run_dir=1,code_hash=0badc0de0bad"})
+                   env=ODD_RANK_1)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     problems = proc.stdout[proc.stdout.index("problems:"):]
     assert re.search(r"code hash differs: rank 1 on \S+ \(127\.0\.0\.1\) has 0badc0de0bad, the others [0-9a-f]{12}",
@@ -118,7 +122,6 @@ def test_code_hash_follows_the_package_sources_not_where_they_lie(tmp_path, monk
 @pytest.mark.parametrize("args, env, names", [
     (["--iters", "0"], {}, "--iters"),
     (["--bogus"], {}, "--bogus"),
-    ([], {doctor.HOOK_VAR: "rank=one"}, doctor.HOOK_VAR),
 ])
 def test_usage_errors_are_one_line(args, env, names):
     assert names in one_line_error(run_cli(["doctor", *args], env=env))
@@ -126,9 +129,7 @@ def test_usage_errors_are_one_line(args, env, names):
 
 def test_runs_under_srun_starting_the_tasks_directly(tmp_path):
     """srun without torchrun: each task has only SLURM's variables plus the exported MASTER_ADDR/PORT."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     tasks = [subprocess.Popen([sys.executable, "-m", "ddptrain", "doctor", "--run_dir", str(tmp_path), "--max_mb",
                                "0.01", "--iters", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=cli_env({"SLURM_NTASKS": "2", "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task),

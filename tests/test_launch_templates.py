@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, TINY, cli_env, metrics
 
+from ddptrain.procenv import free_port
+
 LAUNCH = REPO / "scripts" / "launch.sh"
 SBATCH = REPO / "scripts" / "slurm.sbatch"
 
@@ -180,12 +182,6 @@ def last_train_step(run_dir: Path) -> int:
     return max((r["step"] for r in metrics(run_dir, "train")), default=0) if path.exists() else 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _step_processes(task_pids: list[int]) -> list[int]:
     """Every process of the fake job step: the task processes and all their descendants."""
     found, todo = [], list(task_pids)
@@ -214,7 +210,7 @@ def test_sbatch_usr1_checkpoints_and_requeues(tmp_path):
     fake = _fake_slurm(tmp_path)
     run_dir = tmp_path / "run"
     env = _slurm_env(fake, SLURM_JOB_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", NPROC_PER_NODE="2",
-                     MASTER_PORT=str(_free_port()), RUN_DIR=str(run_dir),
+                     MASTER_PORT=str(free_port()), RUN_DIR=str(run_dir),
                      DDPTRAIN_TEST_SLOW_RANK="1", DDPTRAIN_TEST_SLOW_S="0.003")
     args = [*TINY, "--dataset", "multinode_plugins:slow_rank_synthetic", "--eval_size", "0", "--epochs", "100",
             "--max_steps", "400", "--save_every", "0"]

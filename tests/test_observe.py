@@ -6,7 +6,6 @@ import fcntl
 import json
 import os
 import pty
-import socket
 import struct
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from observed_run import observed_run
 from ddptrain import cli
 from ddptrain.models import MiniResNet
 from ddptrain.observe import perf
+from ddptrain.procenv import free_port
 
 # The metrics.jsonl schema (README "Watching a run"): required keys and their JSON types, per split.
 COMMON = {"time": float, "step": int, "epoch": int, "split": str, "loss": float}
@@ -142,12 +142,6 @@ def test_mfu_from_literal_numbers():
     assert perf.mfu(1000.0, 840.0, 0.0) is None and perf.mfu(1000.0, 0.0, 0.5) is None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _drain(fd: int, sink: bytearray) -> None:
     while True:
         try:
@@ -161,7 +155,7 @@ def _drain(fd: int, sink: bytearray) -> None:
 
 def test_progress_bar_draws_on_rank_0_only_under_a_terminal(tmp_path):
     """Both workers run under their own pseudo-terminal, as under an interactive launch: only rank 0 draws."""
-    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     procs, outputs, readers, masters = [], [], [], []
     for rank in range(2):
         master, slave = pty.openpty()

@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ddptrain.config import TrainConfig, to_toml
+from ddptrain.config import TrainConfig, write_resolved
 from ddptrain.errors import Preempted, TrainingError, UsageError
 
 __all__ = ["fit", "train_worker", "WorkerFailed"]
@@ -40,7 +40,6 @@ def train_worker(cfg: TrainConfig, *, model: Any = None, datasets: tuple[Any, An
     this rank, its host and the step; the process groups are then aborted rather than destroyed.
     """
     from ddptrain import netinfo
-    from ddptrain.checkpoint import write_atomic
     from ddptrain.distributed import distributed
     from ddptrain.launch import LOCAL_LAUNCH_ENV
     from ddptrain.observe.log import setup_logging
@@ -57,7 +56,7 @@ def train_worker(cfg: TrainConfig, *, model: Any = None, datasets: tuple[Any, An
         trainer = None
         try:
             if ctx.is_main and not os.environ.get(LOCAL_LAUNCH_ENV):  # else the launcher wrote it
-                write_atomic(run_dir / "config.toml", to_toml(cfg).encode())
+                write_resolved(cfg, run_dir)
                 log.info("run dir %s · world size %d · backend %s · device %s", run_dir, ctx.world_size,
                          ctx.backend, ctx.device)
             trainer = Trainer(cfg, ctx, run_dir, model=model, datasets=datasets, task=as_task(task))
@@ -107,6 +106,9 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
     if not cfg.run_dir:
         cfg.run_dir = str(Path("runs") / Path(sys.argv[0] or "default").stem)
     cfg.validate()
+    from ddptrain.preflight import check_data
+
+    check_data(cfg)
     datasets = None if train_data is None else (train_data, eval_data)
     from ddptrain.distributed import read_launch_env
 

@@ -65,8 +65,10 @@ def _lazy(module: str):
 
 def cmd_train(argv: list[str]) -> int:
     from ddptrain.config import resolve_config
+    from ddptrain.preflight import check_data
 
     cfg = resolve_config(argv)
+    check_data(cfg)  # the dataset's files against the flags, still before any process starts
     from ddptrain.distributed import read_launch_env  # imports torch (~3 s): only after the flags are good
 
     env = read_launch_env()
@@ -78,13 +80,12 @@ def cmd_train(argv: list[str]) -> int:
                              "(RANK is set); drop --nproc and use the launcher's --nproc-per-node")
         return run_worker(cfg)
     if cfg.nproc:
-        from ddptrain import config as config_mod
-        from ddptrain.checkpoint import write_atomic
+        from ddptrain.config import write_resolved
         from ddptrain.launch import LOCAL_LAUNCH_ENV, launch_local, strip_flag
 
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / "config.toml", config_mod.to_toml(cfg).encode())  # with the launch settings
+        write_resolved(cfg, run_dir)  # with the launch settings
         os.environ[LOCAL_LAUNCH_ENV] = "1"
         worker_argv = strip_flag(strip_flag(argv, "--nproc"), "--max_restarts")
         return launch_local("train", worker_argv, cfg.nproc, cfg.max_restarts, run_dir)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+from ddptrain.cliargs import ArgParser
 from ddptrain.errors import UsageError
 
 
@@ -155,7 +156,10 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def validate(self) -> None:
-        """Check every field and the combinations; raise UsageError naming the flag and the fix."""
+        """Check every field and the combinations; raise UsageError naming the flag and the fix.
+
+        The config alone: `preflight.check_data` checks a dataset's files against it.
+        """
         for f in fields(self):
             value = getattr(self, f.name)
             meta = f.metadata
@@ -197,14 +201,6 @@ class TrainConfig:
             from ddptrain.observe.metrics import require_tensorboard
 
             require_tensorboard()
-        if self.dataset in TEXT_DATASETS:
-            from ddptrain import text
-
-            text.check(self)
-        elif self.dataset in BUILTIN_DATASETS and self.dataset != "synthetic":
-            from ddptrain import formats  # files present and well-formed, flags agree with the data
-
-            formats.check(self)
         if self.model == "gpt" and self.width % self.num_heads:
             raise UsageError(f"--width {self.width} must be a multiple of --num_heads {self.num_heads} for --model gpt")
         for flag, builtins in (("task", BUILTIN_TASKS), ("model", BUILTIN_MODELS), ("dataset", BUILTIN_DATASETS)):
@@ -289,35 +285,32 @@ def load_toml(path: str) -> dict[str, Any]:
     return out
 
 
+def toml_value(value: bool | int | float | str) -> str:
+    """A config value as it is written in a TOML config file (and read back by `load_toml` unchanged)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
 def to_toml(cfg: TrainConfig) -> str:
     """The resolved config as TOML that `--config` reads back unchanged."""
     lines = ["# Resolved ddptrain config (defaults < --config file < command line)."]
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, str):
-            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        else:
-            text = repr(value)
-        lines.append(f"{f.name} = {text}")
+    lines += [f"{f.name} = {toml_value(getattr(cfg, f.name))}" for f in fields(cfg)]
     return "\n".join(lines) + "\n"
 
 
+def write_resolved(cfg: TrainConfig, run_dir: Path) -> Path:
+    """RUN_DIR/config.toml, the resolved config, written atomically; once per run, by one process."""
+    from ddptrain.checkpoint import write_atomic
+
+    path = run_dir / "config.toml"
+    write_atomic(path, to_toml(cfg).encode())
+    return path
+
+
 # --- command line --------------------------------------------------------------------------------
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but every complaint is a one-line UsageError instead of usage + exit."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        if message.startswith("unrecognized arguments:"):
-            flag = message.split(":", 1)[1].split()[0]
-            known = [a for action in self._actions for a in action.option_strings]
-            hint = difflib.get_close_matches(flag.split("=")[0], known, n=1)
-            fix = f"did you mean {hint[0]}?" if hint else f"see `{self.prog} --help`"
-            raise UsageError(f"unknown flag {flag}; {fix}")
-        raise UsageError(f"{message}; see `{self.prog} --help`")
-
 
 def _typed(name: str, kind: type) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
@@ -332,8 +325,8 @@ def _typed(name: str, kind: type) -> Callable[[str], Any]:
 
 def build_parser(prog: str = "ddptrain train") -> argparse.ArgumentParser:
     """One flag per TrainConfig field (bool -> --x/--no-x), plus --config."""
-    parser = _Parser(prog=prog, allow_abbrev=False, argument_default=argparse.SUPPRESS,
-                     description="Train on 1..N processes. Flags override --config, which overrides defaults.")
+    parser = ArgParser(prog=prog, allow_abbrev=False, argument_default=argparse.SUPPRESS,
+                       description="Train on 1..N processes. Flags override --config, which overrides defaults.")
     parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys (flag names)")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in fields(TrainConfig):

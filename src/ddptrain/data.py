@@ -215,9 +215,9 @@ def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
         from ddptrain import text
 
         return text.build(cfg)
-    from ddptrain import formats  # file formats: imported only when asked for
+    from ddptrain import image_datasets  # file formats: imported only when asked for
 
-    return formats.build(cfg)
+    return image_datasets.build(cfg)
 
 
 _END = object()

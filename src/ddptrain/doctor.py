@@ -12,10 +12,6 @@ It runs under the same launchers as training — `ddptrain doctor --nproc N`, `s
   a rank cannot write, a run dir that is not the same (shared) storage on every node, a wrong all-reduce.
 
 Exit status: 0 healthy, 1 problems (listed), 2 usage error. Must be started on all ranks.
-
-Test hook: ``DDPTRAIN_DOCTOR_TEST_HOOK="rank=R,private_run_dir=1,code_hash=X"`` makes rank R look at a
-private temporary directory instead of the run dir (an unshared disk) and/or report code hash X (a node
-with different code). It exists so that the problem reports can be tested on one machine.
 """
 
 from __future__ import annotations
@@ -33,22 +29,18 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ddptrain.cliargs import ArgParser
 from ddptrain.errors import EXIT_FAILURE, EXIT_OK, UsageError
+from ddptrain.tables import format_table
 
-HOOK_VAR = "DDPTRAIN_DOCTOR_TEST_HOOK"
 VERDICT_VAR = "DDPTRAIN_DOCTOR_VERDICT"  # set by `--nproc`: rank 0 writes the problems there
 SWEEP_MIN_BYTES = 1 << 10
 BARRIER_ROUNDS = 10
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{message}; see `ddptrain doctor --help`")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ddptrain doctor", allow_abbrev=False,
-                     description="Check versions, network, bandwidth and shared storage on every rank.")
+    parser = ArgParser(prog="ddptrain doctor", allow_abbrev=False,
+                       description="Check versions, network, bandwidth and shared storage on every rank.")
     parser.add_argument("--nproc", type=int, default=0, help="start this many local workers (0 = this process "
                         "is a worker of torchrun/srun, or the only rank)")
     parser.add_argument("--run_dir", default="runs", help="the directory training will use; checked for "
@@ -59,31 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--iters", type=int, default=5, help="timed all-reduces per size")
     parser.add_argument("--timeout_s", type=float, default=300.0, help="rendezvous and collective timeout")
     return parser
-
-
-@dataclass
-class TestHook:
-    rank: int = -1
-    private_run_dir: bool = False
-    code_hash: str = ""
-
-    @classmethod
-    def from_env(cls) -> TestHook:
-        text = os.environ.get(HOOK_VAR, "")
-        if not text:
-            return cls()
-        fields: dict[str, str] = {}
-        for part in text.split(","):
-            key, sep, value = part.strip().partition("=")
-            if not sep or key not in ("rank", "private_run_dir", "code_hash"):
-                raise UsageError(f"{HOOK_VAR}: {part!r} is not one of rank=R, private_run_dir=1, code_hash=X")
-            fields[key] = value
-        try:
-            rank = int(fields.get("rank", "-1"))
-        except ValueError:
-            raise UsageError(f"{HOOK_VAR}: rank must be an integer") from None
-        return cls(rank=rank, private_run_dir=fields.get("private_run_dir", "0") == "1",
-                   code_hash=fields.get("code_hash", ""))
 
 
 def code_hash() -> str:
@@ -117,7 +84,6 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.nproc < 0 or args.iters < 1 or args.max_mb <= 0 or args.timeout_s <= 0:
         raise UsageError("--nproc must be >= 0, --iters >= 1, --max_mb and --timeout_s > 0")
-    hook = TestHook.from_env()
     from ddptrain.distributed import read_launch_env
 
     if args.nproc:
@@ -125,7 +91,7 @@ def main(argv: list[str]) -> int:
             raise UsageError("--nproc starts local workers, but this process is already a worker of a launcher "
                              "(RANK is set); drop --nproc")
         return _launch(argv, args)
-    return check(args, hook)
+    return check(args)
 
 
 def _launch(argv: list[str], args: argparse.Namespace) -> int:
@@ -145,7 +111,7 @@ def _launch(argv: list[str], args: argparse.Namespace) -> int:
         verdict.unlink(missing_ok=True)
 
 
-def check(args: argparse.Namespace, hook: TestHook) -> int:
+def check(args: argparse.Namespace) -> int:
     """Every check, on every rank; rank 0 prints. Must be called on all ranks."""
     import torch
 
@@ -157,13 +123,12 @@ def check(args: argparse.Namespace, hook: TestHook) -> int:
     with distributed(args.backend, args.timeout_s, scratch) as ctx:
         rendezvous_s = time.perf_counter() - started
         barrier_ms = _barrier_latency_ms(ctx)
-        hooked = hook.rank == ctx.rank
-        run_dir_error, seen = _probe_run_dir(ctx, Path(args.run_dir), private=hooked and hook.private_run_dir)
+        run_dir_error, seen = _probe_run_dir(ctx, Path(args.run_dir))
         sweep, sums_ok = _all_reduce_sweep(ctx, int(args.max_mb * (1 << 20)), args.iters)
         mine = RankReport(
             rank=ctx.rank, host=ctx.host, addr=ctx.addr, interface=ctx.interface, device=_device_name(ctx.device),
             torch=torch.__version__, python=platform.python_version(), ddptrain=ddptrain.__version__,
-            code=hook.code_hash if hooked and hook.code_hash else code_hash(),
+            code=code_hash(),
             rendezvous_s=rendezvous_s, barrier_ms=barrier_ms, run_dir_error=run_dir_error, run_dir_seen=seen,
             all_reduce_ok=sums_ok)
         reports = [RankReport(**r) for r in _gather_objects(ctx, asdict(mine))]
@@ -207,14 +172,13 @@ def _barrier_latency_ms(ctx) -> float:
     return 1000 * statistics.median(times[1:])  # the first one also waits for late ranks
 
 
-def _probe_run_dir(ctx, run_dir: Path, private: bool) -> tuple[str, list[int]]:
+def _probe_run_dir(ctx, run_dir: Path) -> tuple[str, list[int]]:
     """Each rank writes a token file into RUN_DIR/.doctor/<token>/ and lists which ranks' files it sees.
 
     Returns (error writing this rank's file or "", ranks seen). On shared storage every rank sees all.
     """
     token = ctx.broadcast_object(uuid.uuid4().hex[:12] if ctx.is_main else None)
-    base = Path(tempfile.mkdtemp(prefix="ddptrain-private-")) if private else run_dir
-    probe = base / ".doctor" / str(token)
+    probe = run_dir / ".doctor" / str(token)
     mine = probe / f"rank-{ctx.rank}"
     error = ""
     try:
@@ -227,7 +191,7 @@ def _probe_run_dir(ctx, run_dir: Path, private: bool) -> tuple[str, list[int]]:
     ctx.barrier()  # every rank has looked before anyone cleans up
     mine.unlink(missing_ok=True)
     ctx.barrier()  # every token file is gone: whoever comes first removes the directories
-    for directory in (probe, probe.parent) + ((base,) if private else ()):
+    for directory in (probe, probe.parent):
         try:
             directory.rmdir()
         except OSError:  # already removed by a rank of this node, never created, or not empty
@@ -318,14 +282,6 @@ def find_problems(reports: list[RankReport], run_dir: str) -> list[str]:
     return problems
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    return "\n".join(lines)
-
-
 def _size(num_bytes: int) -> str:
     for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if num_bytes >= scale:
@@ -335,13 +291,13 @@ def _size(num_bytes: int) -> str:
 
 def render(reports: list[RankReport], sweep: list[dict], backend: str, run_dir: str, problems: list[str]) -> str:
     world = len(reports)
-    ranks = _table(
+    ranks = format_table(
         ["rank", "host", "address", "iface", "device", "torch", "python", "ddptrain", "code", "rdzv s",
          "barrier ms", "run dir"],
         [[str(r.rank), r.host, r.addr, r.interface, r.device, r.torch, r.python, r.ddptrain, r.code,
           f"{r.rendezvous_s:.2f}", f"{r.barrier_ms:.3f}",
           "not writable" if r.run_dir_error else f"sees {len(r.run_dir_seen)}/{world}"] for r in reports])
-    bandwidth = _table(["size", "time ms", "algbw GB/s", "busbw GB/s"],
+    bandwidth = format_table(["size", "time ms", "algbw GB/s", "busbw GB/s"],
                        [[_size(row["bytes"]), f"{row['time_ms']:.3f}", f"{row['algbw_gbps']:.3g}",
                          f"{row['busbw_gbps']:.3g}"] for row in sweep])
     verdict = ("healthy: versions and code agree, the run dir is writable and shared, all-reduce works"

@@ -17,20 +17,16 @@ import torch
 
 from ddptrain.checkpoint import (MANIFEST, CheckpointError, committed_steps, read_checkpoint, safetensors_bytes,
                                  write_atomic)
+from ddptrain.cliargs import ArgParser
 from ddptrain.errors import UsageError
 
 FORMAT = "ddptrain-export/1"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{message}; see `{self.prog} --help`")
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="ddptrain export",
-                     description="Verify a checkpoint and write its weights as OUT.safetensors plus OUT.json "
-                                 "(the config).")
+    parser = ArgParser(prog="ddptrain export",
+                       description="Verify a checkpoint and write its weights as OUT.safetensors plus OUT.json "
+                                   "(the config).")
     parser.add_argument("checkpoint", help="a committed checkpoints/step-N dir (or a run dir: its newest)")
     parser.add_argument("out", help="the .safetensors file to write; the config goes next to it as .json")
     return parser.parse_args(argv)

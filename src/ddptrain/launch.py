@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE
+from ddptrain.observe.log import rank_log_path
 
 LOCAL_LAUNCH_ENV = "DDPTRAIN_LOCAL_LAUNCH"  # set for workers of `--nproc`: the launcher reports their errors
 
@@ -155,7 +156,7 @@ def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float,
     host = os.uname().nodename
     others = sorted(r for r in exc.failures if r != rank)
     also = f" (also failed: rank {', '.join(map(str, others))})" if others else ""
-    where = f"; its log: {run_dir / 'logs' / f'rank-{rank}.log'}" if run_dir else ""
+    where = f"; its log: {rank_log_path(run_dir, rank)}" if run_dir else ""
     what = "training" if command == "train" else command
     print(f"ddptrain: {what} failed: rank {rank} on host {host}: {message}{also}{where}", file=sys.stderr)
     return EXIT_FAILURE

@@ -29,7 +29,9 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddptrain.cliargs import ArgParser
 from ddptrain.errors import EXIT_OK, UsageError
+from ddptrain.tables import format_table
 
 MIB = 1 << 20
 FIRST_BUCKET_BYTES = MIB  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
@@ -182,15 +184,10 @@ def gradient_bytes(cfg) -> int:
 
 # --- command line ------------------------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{message}; see `ddptrain plan --help`")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ddptrain plan", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-                     description="Predict DDP step time and scaling efficiency at many GPUs.\n\n"
-                     + __doc__.split("\n\n", 1)[1])
+    parser = ArgParser(prog="ddptrain plan", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Predict DDP step time and scaling efficiency at many GPUs.\n\n"
+                       + __doc__.split("\n\n", 1)[1])
     compute = parser.add_argument_group("compute (one device)")
     compute.add_argument("--run_dir", help="a finished 1-process `ddptrain train` run: step time from its "
                          "metrics.jsonl, gradient bytes from its config.toml")
@@ -270,14 +267,12 @@ def render(work: Workload, predictions: list[Prediction]) -> str:
     rows = [[str(p.world_size), f"{1000 * p.comm_s:.2f}", f"{1000 * p.exposed_s:.2f}", f"{1000 * p.step_s:.2f}",
              f"{100 * p.efficiency:.1f}%", f"{1000 * p.step_no_overlap_s:.2f}", f"{100 * p.efficiency_no_overlap:.1f}%"]
             for p in predictions]
-    widths = [max(len(n), *(len(r[i]) for r in rows)) for i, n in enumerate(names)]
-    lines = ["  ".join(n.rjust(w) for n, w in zip(names, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     model = ("model: ring all-reduce t = 2(N-1)*alpha + (S/B)*2(N-1)/N per bucket, buckets reduced in order as "
              "backward produces them; efficiency = step(1)/step(N) at a fixed per-device batch. Optimistic where "
              "devices share a slower inter-node link (pass that busbw), where communication slows compute, or with "
              "stragglers; `ddptrain plan --help` lists the assumptions.")
-    return "\n".join([textwrap.fill(header, 110), "", *lines, "", textwrap.fill(model, 110)])
+    table = format_table(names, rows, align="right")
+    return "\n".join([textwrap.fill(header, 110), "", table, "", textwrap.fill(model, 110)])
 
 
 def main(argv: list[str]) -> int:

@@ -14,21 +14,18 @@ import tomllib
 from pathlib import Path
 from typing import Any, Callable
 
+from ddptrain.cliargs import ArgParser
 from ddptrain.errors import UsageError
 from ddptrain.observe.metrics import read_metrics
+from ddptrain.tables import format_table
 
 STEP_PARTS = (("data_wait_s", "waiting for data"), ("fwd_bwd_s", "forward + backward"),
               ("optimizer_s", "optimizer"))
 MAX_RANK_LINES = 16  # beyond this, per-rank step time is drawn as min / median / max
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{message}; see `{self.prog} --help`")
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _Parser(prog="ddptrain report", description="Draw PNG pictures and a report.md from a run dir.")
+    parser = ArgParser(prog="ddptrain report", description="Draw PNG pictures and a report.md from a run dir.")
     parser.add_argument("run_dir", help="the run's directory (--run_dir of `ddptrain train`)")
     parser.add_argument("--out", default="", help="where to write report.md and the PNGs (default RUN_DIR/report)")
     return parser.parse_args(argv)
@@ -243,8 +240,7 @@ def render_markdown(run_dir: Path, train: list[dict], evals: list[dict],
              f"- run dir: `{run_dir}`",
              f"- status: {_status(run_dir, records)}",
              f"- metrics: {len(train)} train and {len(evals)} eval lines in `metrics.jsonl`", "",
-             "## Final metrics", "", "| metric | value |", "|---|---|"]
-    lines += [f"| {name} | {value} |" for name, value in _final_rows(train, evals)]
+             "## Final metrics", "", format_table(["metric", "value"], _final_rows(train, evals), markdown=True)]
     lines += ["", "## Pictures", "", "![overview](overview.png)", ""]
     lines += [f"- [{title}]({name}.png)" for name, title in pictures]
     lines += ["", "## Config", ""]

@@ -15,7 +15,6 @@ English text that ships with CPython (`pydoc_data.topics`, ~466k bytes) the same
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import json
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from ddptrain.cliargs import ArgParser
 from ddptrain.config import TrainConfig
 from ddptrain.errors import UsageError
 
@@ -108,14 +108,9 @@ def build(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
 
 # --- `ddptrain prepare-text` ---------------------------------------------------------------------
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{message}; see `{self.prog} --help`")
-
-
 def main(argv: list[str]) -> int:
-    parser = _Parser(prog="ddptrain prepare-text",
-                     description="Turn text files into byte-level token files for --dataset tokens.")
+    parser = ArgParser(prog="ddptrain prepare-text",
+                       description="Turn text files into byte-level token files for --dataset tokens.")
     parser.add_argument("out_dir", help="directory to write meta.json and the .bin shards into")
     parser.add_argument("files", nargs="+", help="UTF-8 text files, read in the order given")
     parser.add_argument("--eval_fraction", type=float, default=EVAL_FRACTION,

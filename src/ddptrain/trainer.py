@@ -32,6 +32,7 @@ from ddptrain.evaluator import Evaluator
 from ddptrain.faults import FaultInjector
 from ddptrain.models import build_model
 from ddptrain.observe import perf
+from ddptrain.observe.log import rank_log_path
 from ddptrain.observe.metrics import MetricSinks, ProgressBar
 from ddptrain.observe.profiler import StepProfiler
 from ddptrain.observe.train_log import Clock, TrainLog
@@ -140,7 +141,7 @@ class Trainer:
         self.injector = FaultInjector(cfg.inject_fault, ctx.rank)
         self.checkpoints = CheckpointManager(ctx, cfg.checkpoint_path, cfg.keep_last, cfg.async_checkpoint,
                                              cfg.checkpoint_timeout_s, self.injector)
-        self.watchdog = Watchdog(ctx, run_dir / "logs" / f"rank-{ctx.rank}.log", cfg.hang_timeout_s,
+        self.watchdog = Watchdog(ctx, rank_log_path(run_dir, ctx.rank), cfg.hang_timeout_s,
                                  startup_timeout_s=cfg.init_timeout_s, checkpoint_timeout_s=cfg.checkpoint_timeout_s)
         self.profiler = StepProfiler(cfg.enable_profiling, run_dir, ctx.rank, cfg.profile_wait,
                                      cfg.profile_warmup, cfg.profile_active)

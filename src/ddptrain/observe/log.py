@@ -40,9 +40,9 @@ def setup_logging(run_dir: Path, rank: int, world_size: int, host: str) -> loggi
     console.addFilter(rank_filter)
     logger.addHandler(console)
 
-    log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    file_handler = logging.FileHandler(log_dir / f"rank-{rank}.log")
+    path = rank_log_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    file_handler = logging.FileHandler(path)
     file_handler.setLevel(logging.DEBUG)
     file_handler.setFormatter(fmt)
     file_handler.addFilter(rank_filter)
@@ -51,4 +51,5 @@ def setup_logging(run_dir: Path, rank: int, world_size: int, host: str) -> loggi
 
 
 def rank_log_path(run_dir: Path, rank: int) -> Path:
+    """RUN_DIR/logs/rank-R.log: everything rank R logs, DEBUG included."""
     return run_dir / "logs" / f"rank-{rank}.log"

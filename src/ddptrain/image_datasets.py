@@ -1,7 +1,7 @@
 """Datasets read from files: CIFAR-10/100 binary, ImageFolder trees, and scikit-learn's digits.
 
 `check(cfg)` is the cheap part (files present, sizes, config flags agree with the data) and runs in
-`TrainConfig.validate`, so a bad directory is a one-line usage error before any process starts.
+`preflight.check_data`, so a bad directory is a one-line usage error before any process starts.
 `build(cfg)` returns `(train, eval | None)` for `data.build_datasets`.
 
 Images come out as normalised float tensors (C, H, W). Train augmentation — random crop from a

@@ -1,4 +1,4 @@
-"""File formats: CIFAR binary and ImageFolder fixtures written in the exact formats, digits, and bad input."""
+"""Image datasets: CIFAR binary and ImageFolder fixtures written in the exact formats, digits, and bad input."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from PIL import Image
 
 from helpers import metrics, one_line_error, run_cli, train
 
-from ddptrain import formats
+from ddptrain import image_datasets
 from ddptrain.config import resolve_config
+from ddptrain.preflight import check_data
 from ddptrain.data import SeededSamples, build_datasets
 from ddptrain.errors import UsageError
 
-CIFAR10_MEAN = torch.tensor(formats.CIFAR["cifar10"].mean).view(3, 1, 1)
-CIFAR10_STD = torch.tensor(formats.CIFAR["cifar10"].std).view(3, 1, 1)
+CIFAR10_MEAN = torch.tensor(image_datasets.CIFAR["cifar10"].mean).view(3, 1, 1)
+CIFAR10_STD = torch.tensor(image_datasets.CIFAR["cifar10"].std).view(3, 1, 1)
 
 
 # --- fixtures in the exact on-disk formats --------------------------------------------------------
@@ -67,8 +68,11 @@ def write_image_folder(root: Path) -> None:
 
 
 def cfg_for(dataset: str, data_dir: Path | str = "", *flags: str):
+    """The config of `ddptrain train` with these flags, checked against the data as the command does."""
     args = ["--dataset", dataset, "--seed", "7"] + (["--data_dir", str(data_dir)] if data_dir else []) + list(flags)
-    return resolve_config(args)
+    cfg = resolve_config(args)
+    check_data(cfg)
+    return cfg
 
 
 def all_crops_and_flips(image: torch.Tensor, padding: int = 4) -> list[torch.Tensor]:
@@ -166,6 +170,7 @@ def test_shipped_cifar10_config_validates_against_cifar_files(tmp_path):
     write_cifar10(tmp_path)
     cfg = resolve_config(["--config", str(Path(__file__).parents[1] / "configs" / "cifar10.toml"),
                           "--data_dir", str(tmp_path)])
+    check_data(cfg)
     assert (cfg.dataset, cfg.num_classes, cfg.image_size, cfg.in_channels) == ("cifar10", 10, 32, 3)
 
 
@@ -191,7 +196,8 @@ def test_image_folder_classes_by_sorted_folder_name_and_resized_images(tmp_path)
     assert train_ds.classes == ["ant", "bee", "cat"]
     assert (len(train_ds), len(eval_ds)) == (10, 6)  # notes.txt is not an image
     assert [eval_ds[i][1] for i in range(6)] == [0, 0, 1, 1, 2, 2]
-    mean, std = torch.tensor(formats.IMAGENET_MEAN).view(3, 1, 1), torch.tensor(formats.IMAGENET_STD).view(3, 1, 1)
+    mean = torch.tensor(image_datasets.IMAGENET_MEAN).view(3, 1, 1)
+    std = torch.tensor(image_datasets.IMAGENET_STD).view(3, 1, 1)
     for index in range(6):
         image, label = eval_ds[index]
         colour = torch.tensor(list(COLOURS.values())[label], dtype=torch.float32).view(3, 1, 1) / 255
@@ -266,7 +272,7 @@ def test_digits_split_is_fixed_stratified_and_disjoint():
     assert counts.min() >= 35 and counts.max() <= 37  # every class held out at the same 1-in-5 rate
     again, _ = build_datasets(cfg_for("digits", "", "--in_channels", "1", "--image_size", "8", "--seed", "1"))
     assert torch.equal(train_ds.images, again.images)  # the split does not depend on --seed
-    is_eval = formats.digits_split(np.arange(100) % 10)
+    is_eval = image_datasets.digits_split(np.arange(100) % 10)
     assert is_eval.sum() == 20 and list(np.flatnonzero(is_eval[:10])) == list(range(10))
 
 
