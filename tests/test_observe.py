@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import pty
+import re
 import struct
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import REPO, TINY, cli_env, metrics, read_jsonl
+from helpers import REPO, TINY, cli_env, metrics, read_jsonl, train
 from observed_run import observed_run
 
 from ddptrain import cli
@@ -114,6 +115,47 @@ def test_profiler_writes_one_chrome_trace_per_rank_with_events(run):
         names = {event.get("name") for event in events}
         assert {"forward", "backward", "optimizer"} <= names, trace
         assert any(str(name).startswith("ProfilerStep#") for name in names)
+
+
+_UNITS_US = {"us": 1.0, "ms": 1e3, "s": 1e6}
+
+
+def _op_rows(table: str) -> list[tuple[str, float]]:
+    """(op name, self CPU time in us) for each op row of a `key_averages().table()`, in its order."""
+    lines = table.splitlines()
+    header = re.split(r"\s{2,}", next(line for line in lines if "Self CPU %" in line).strip())
+    column = header.index("Self CPU")
+    rows = []
+    for line in lines[lines.index(next(line for line in lines if "Self CPU %" in line)) + 2:]:
+        if line.startswith("---"):
+            break
+        cells = re.split(r"\s{2,}", line.strip())
+        value, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", cells[column]).groups()
+        rows.append((cells[0], float(value) * _UNITS_US[unit]))
+    return rows
+
+
+def test_profiler_summary_sorted_by_self_device_time_and_its_top_rows_logged(tmp_path):
+    proc = train(tmp_path, "--epochs", "1", "--eval_size", "0", "--enable_profiling", "--profile_wait", "1",
+                 "--profile_warmup", "1", "--profile_active", "2")
+    summary = (tmp_path / "traces" / "summary-rank-0.txt").read_text()
+    rows = _op_rows(summary)
+    names = [name for name, _ in rows]
+    assert {"forward", "backward", "optimizer", "ProfilerStep*"} <= set(names), summary
+    assert any(name.startswith("aten::") for name in names), summary
+    times = [us for _, us in rows]
+    assert times == sorted(times, reverse=True), "sorted by self CPU time (no CUDA here), largest first"
+    assert proc.stdout.count("profiler: top 10 ops by self CPU time") == 1, proc.stdout
+    logged = proc.stdout[proc.stdout.index("profiler: top 10 ops"):]
+    assert [name for name, _ in _op_rows(logged)] == names[:10], "the log shows the summary's first rows"
+
+
+def test_profiler_summary_per_rank_and_logged_by_rank_0_only(run):
+    for rank in (0, 1):
+        assert _op_rows((run.run_dir / "traces" / f"summary-rank-{rank}.txt").read_text())
+    output = run.proc.stdout + run.proc.stderr
+    assert output.count("profiler: top 10 ops by self CPU time") == 1
+    assert "traces/summary-rank-0.txt" in output
 
 
 def test_flops_of_mini_resnet_match_a_hand_count():
