@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import pipeline_runs as runs
-from helpers import one_line_error, run_cli
+from helpers import one_line_error, run_cli, train
 from ddptrain.config import TrainConfig, build_parser, load_toml, resolve_config, to_toml
 
 # The seed article's flags: each keeps its name and meaning. Values differ from the defaults on purpose.
@@ -161,3 +161,27 @@ def test_bad_input_exits_2_with_one_line(case: str, bad_files: Path):
 def test_unknown_command_exits_2_with_one_line():
     line = one_line_error(run_cli(["trian"]))
     assert "unknown command 'trian'" in line and "train" in line
+
+
+LR_WARNING = "linear scaling rule (--scale_lr) would train at lr"
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], "global batch 32 differs from --base_batch_size 256, the batch --lr 0.1 was tuned for: the linear "
+         "scaling rule (--scale_lr) would train at lr 0.0125 (x0.125); training at 0.1"),
+    (["--scale_lr"], None),
+    (["--base_batch_size", "32"], None),
+])
+def test_lr_warning_once_when_the_global_batch_differs_and_lr_is_not_scaled(tmp_path: Path, flags, expected):
+    proc = train(tmp_path, "--max_steps", "2", "--eval_size", "0", "--save_every", "0", *flags)
+    output = proc.stdout + proc.stderr
+    if expected is None:
+        assert LR_WARNING not in output, output
+    else:
+        assert output.count(LR_WARNING) == 1 and expected in output, output
+
+
+@pytest.mark.parametrize("name", ["quickstart", "digits"])
+def test_shipped_configs_train_at_the_batch_their_lr_was_tuned_for(name: str):
+    cfg = resolve_config(["--config", str(Path(__file__).parents[1] / "configs" / f"{name}.toml")], validate=False)
+    assert cfg.nproc * cfg.batch_size * cfg.grad_accum_steps == cfg.base_batch_size, "no linear scaling warning"
