@@ -218,7 +218,7 @@ def _safe_torch_load(data: bytes, name: str, device: torch.device) -> Any:
             return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
     except Exception as exc:  # UnpicklingError for a hostile or foreign pickle, and any decode error
         text = str(exc)
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        found = re.search(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.]+)", text)  # torch < 2.13, torch >= 2.13
         why = (f"it references {found.group(1)}, which a checkpoint never needs" if found
                else (text.strip().splitlines() or [type(exc).__name__])[0])
         raise CheckpointError(f"{name} refused by the safe loader: {why}") from None

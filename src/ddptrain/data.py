@@ -113,11 +113,11 @@ class SeededSamples(Dataset):
     def _read(self, key: tuple[int, int]) -> tuple[int, Any]:
         epoch, index = key
         if self.seeded:
-            _seed_global_rngs(mix_seed(self.seed, epoch, index))
+            seed_global_rngs(mix_seed(self.seed, epoch, index))
         return index, self.dataset[index]
 
 
-def _seed_global_rngs(seed: int) -> None:
+def seed_global_rngs(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     np.random.seed(seed & 0xFFFFFFFF)
     random.seed(seed)
@@ -290,7 +290,7 @@ def epoch_batches(loader: Iterable, background: bool) -> Iterator[Iterator]:
         batches.close()
 
 
-def _worker_init(worker_id: int) -> None:
+def worker_init(worker_id: int) -> None:
     # Preemption signals are for the training process, which checkpoints and then shuts its loader workers
     # down; they must not kill the workers first. torchelastic signals each worker's whole process group
     # (so leave it) and SLURM's --signal reaches every process of the step (so ignore SIGUSR1). The
@@ -333,6 +333,6 @@ def make_loader(dataset: Dataset, batch_sampler: Any, cfg: TrainConfig, device: 
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,  # no re-fork of workers (and re-import of the dataset) per epoch
         prefetch_factor=4 if workers > 0 else None,
-        worker_init_fn=_worker_init if workers > 0 else None,
+        worker_init_fn=worker_init if workers > 0 else None,
         generator=torch.Generator().manual_seed(seed),  # never draws from the global RNG
     )

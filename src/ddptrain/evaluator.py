@@ -38,7 +38,7 @@ class Evaluator:
         items, units = 0, 0
         module.eval()
         try:
-            for _, batch in self.loader or ():
+            for _, batch in self.loader if self.loader is not None else ():
                 if heartbeat is not None:
                     heartbeat()
                 batch = to_device(batch, self.ctx.device, self.channels_last)

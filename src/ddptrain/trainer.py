@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from ddptrain.batch import collate, to_device
 from ddptrain.checkpoint import CheckpointManager, Loaded, Position, Snapshot, safetensors_bytes, write_atomic
@@ -40,6 +41,7 @@ from ddptrain.observe.watchdog import Watchdog
 from ddptrain.optim import build_optimizer, build_scheduler, peak_lr
 from ddptrain.parallel import DataParallel
 from ddptrain.state import MetricWindow, rng_state, seed_rank_rngs, set_rng_state
+from ddptrain.streams import StreamPosition, StreamShard, readers_per_rank, stream_batches, stream_loader
 from ddptrain.tasks import Task, build_task
 
 __all__ = ["Trainer", "build_optimizer"]
@@ -82,19 +84,35 @@ class Trainer:
         # Data first: its size decides the schedule. Global batch = micro batch x world x accumulation.
         train_ds, eval_ds = datasets if datasets is not None else build_datasets(cfg)
         self.layout = BatchLayout(cfg.batch_size, ctx.world_size, cfg.grad_accum_steps)
-        self.num_train = len(train_ds)
-        self.steps_per_epoch = self.layout.steps_per_epoch(self.num_train)
-        if self.steps_per_epoch == 0:
-            raise UsageError(f"--batch_size {cfg.batch_size} x {ctx.world_size} processes x --grad_accum_steps "
-                             f"{cfg.grad_accum_steps} = {self.layout.global_batch_size} exceeds the "
-                             f"{self.num_train} training samples; lower one of them")
-        self.sampler = GlobalOrderSampler(self.num_train, self.layout, ctx.rank, cfg.seed)
-        self.train_loader = make_loader(train_ds, self.sampler, cfg, device, seed=mix_seed(cfg.seed, 4, ctx.rank))
+        self.stream: StreamShard | None = None  # an IterableDataset: no length, read as a partitioned stream
+        if isinstance(train_ds, IterableDataset):
+            if not cfg.max_steps:
+                raise UsageError("the training dataset is an IterableDataset (a stream without a length): pass "
+                                 "--max_steps to say how long to train")
+            self.stream = StreamShard(train_ds, cfg.seed, ctx.rank, ctx.world_size)
+            self.stream_position = StreamPosition(ctx.world_size * readers_per_rank(cfg.num_workers), ctx.rank,
+                                                  cfg.num_workers)
+            self.num_train, self.steps_per_epoch, self.sampler = None, None, None
+            self.train_loader = stream_loader(self.stream, cfg, device, drop_last=True,
+                                              seed=mix_seed(cfg.seed, 4, ctx.rank))
+        else:
+            self.num_train = len(train_ds)
+            self.steps_per_epoch = self.layout.steps_per_epoch(self.num_train)
+            if self.steps_per_epoch == 0:
+                raise UsageError(f"--batch_size {cfg.batch_size} x {ctx.world_size} processes x --grad_accum_steps "
+                                 f"{cfg.grad_accum_steps} = {self.layout.global_batch_size} exceeds the "
+                                 f"{self.num_train} training samples; lower one of them")
+            self.sampler = GlobalOrderSampler(self.num_train, self.layout, ctx.rank, cfg.seed)
+            self.train_loader = make_loader(train_ds, self.sampler, cfg, device,
+                                            seed=mix_seed(cfg.seed, 4, ctx.rank))
         # With loader workers on CPU, a thread takes their batches off the training thread (on CUDA, torch's
         # pin-memory thread does). Without workers, reading a sample seeds the global RNGs: no thread then.
         self._background_batches = device.type == "cpu" and self.train_loader.num_workers > 0
         self.eval_loader = None
-        if eval_ds is not None and len(eval_ds) > 0:
+        if isinstance(eval_ds, IterableDataset):
+            self.eval_loader = stream_loader(StreamShard(eval_ds, cfg.seed, ctx.rank, ctx.world_size), cfg, device,
+                                             drop_last=False, seed=mix_seed(cfg.seed, 5, ctx.rank))
+        elif eval_ds is not None and len(eval_ds) > 0:
             eval_sampler = ShardedEvalSampler(len(eval_ds), cfg.batch_size, ctx.rank, ctx.world_size)
             self.eval_loader = make_loader(eval_ds, eval_sampler, cfg, device, seed=mix_seed(cfg.seed, 5, ctx.rank))
 
@@ -128,7 +146,7 @@ class Trainer:
                         self.layout.global_batch_size, cfg.base_batch_size, cfg.lr, cfg.lr * factor, factor, cfg.lr)
         self.optimizer = build_optimizer(cfg, self.params, self.peak_lr)
         self._optimizer_stepped = False  # whether the optimizer has state (see train_step)
-        self.total_steps = cfg.epochs * self.steps_per_epoch
+        self.total_steps = cfg.max_steps if self.stream is not None else cfg.epochs * self.steps_per_epoch
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.scheduler = build_scheduler(cfg, self.optimizer, self.peak_lr, self.total_steps)
@@ -179,23 +197,19 @@ class Trainer:
                 log.info("run already complete at step %d in %s; nothing to train (use another --run_dir, or "
                          "--no-auto_resume to start over)", pos.step, self.run_dir)
             bar = ProgressBar(cfg.progress and self.ctx.is_main, self.total_steps, initial=pos.step)
+            if self.stream is not None:
+                # A stream has no epochs in common: each rank cycles its own share until --max_steps.
+                with stream_batches(self.train_loader, self.stream, self.stream_position,
+                                    self._background_batches) as batches:
+                    while pos.step < self.total_steps:
+                        self._step(batches, bar)
             # Each pass of this loop is (the rest of) one epoch: the sampler resumes at the cursor.
-            while pos.epoch < cfg.epochs and pos.step < self.total_steps:
+            while self.stream is None and pos.epoch < cfg.epochs and pos.step < self.total_steps:
                 self.sampler.set_position(pos.epoch, pos.cursor)
                 with epoch_batches(self.train_loader, background=self._background_batches) as batches:
                     while (pos.cursor + self.layout.global_batch_size <= self.num_train
                            and pos.step < self.total_steps):
-                        self.train_step(batches)
-                        pos.step += 1
-                        pos.cursor += self.layout.global_batch_size
-                        self.scheduler.step()
-                        self.profiler.step()
-                        if pos.step == 1 + self._first_step:
-                            # Tier two: the generous init timeout covered rendezvous and the first step.
-                            self.ctx.set_collective_timeout(cfg.collective_timeout_s)
-                        if pos.step % cfg.log_interval == 0:
-                            self._log_train(bar)
-                        self._between_steps()
+                        self._step(batches, bar)
                 if pos.step >= self.total_steps and pos.cursor + self.layout.global_batch_size <= self.num_train:
                     break  # --max_steps ended the run mid-epoch
                 # The epoch is complete: evaluate, move the cursor to the next epoch, maybe save.
@@ -218,6 +232,21 @@ class Trainer:
         self._export_weights()
         return self._summary(last_eval, time.perf_counter() - started)
 
+    def _step(self, batches: Iterator, bar: ProgressBar) -> None:
+        """A training step and what follows it at the step boundary: schedule, logging, flags, saves."""
+        cfg, pos = self.cfg, self.position
+        self.train_step(batches)
+        pos.step += 1
+        pos.cursor += self.layout.global_batch_size
+        self.scheduler.step()
+        self.profiler.step()
+        if pos.step == 1 + self._first_step:
+            # Tier two: the generous init timeout covered rendezvous and the first step.
+            self.ctx.set_collective_timeout(cfg.collective_timeout_s)
+        if pos.step % cfg.log_interval == 0:
+            self._log_train(bar)
+        self._between_steps()
+
     # ------------------------------------------------------------------------------------------
     def train_step(self, batches: Iterator) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches.
@@ -238,7 +267,10 @@ class Trainer:
             ids, batch = next(batches)
             window.data_wait += time.perf_counter() - waited
             if self._sample_log is not None:
-                self._sample_log.write(json.dumps({"step": step, "micro": micro, "ids": ids}) + "\n")
+                row = {"step": step, "micro": micro, "ids": ids}
+                if self.stream is not None:
+                    row["epoch"] = self.stream_position.epoch  # each rank's own epoch of its share
+                self._sample_log.write(json.dumps(row) + "\n")
             batch = to_device(batch, self.ctx.device, cfg.channels_last)
 
             last = micro == accum - 1
@@ -341,8 +373,15 @@ class Trainer:
             return
         self.watchdog.phase("checkpoint")
         self.parallel.sync_buffers()
-        self.checkpoints.save(Position(**vars(self.position)), self._snapshot, rng_state(self.ctx.device))
+        self.checkpoints.save(Position(**vars(self.position)), self._snapshot, self._rank_state())
         self._last_save_time = time.monotonic()
+
+    def _rank_state(self) -> dict[str, Any]:
+        """What differs between ranks and a checkpoint gathers from each: RNG streams, a stream's position."""
+        state = rng_state(self.ctx.device)
+        if self.stream is not None:
+            state["stream"] = self.stream_position.state_dict()
+        return state
 
     def _snapshot(self) -> Snapshot:
         return Snapshot(
@@ -404,6 +443,12 @@ class Trainer:
                         "epoch %d, but steps are no longer comparable with the original run",
                         saved.global_batch_size, pos.global_batch_size, saved.cursor, saved.epoch)
         rngs = loaded.trainer["rng"]
+        if self.stream is not None:
+            saved_stream = rngs[min(self.ctx.rank, len(rngs) - 1)].get("stream")
+            if saved_stream is None:
+                raise UsageError(f"{loaded.path} was saved from a map-style dataset; this run's is an IterableDataset: "
+                                 "start fresh (--no-auto_resume or another --run_dir)")
+            self.stream_position.load_state_dict(saved_stream, self.ctx.world_size, self.cfg.num_workers)
         if saved.world_size == self.ctx.world_size:
             set_rng_state(rngs[self.ctx.rank], self.ctx.device)
         else:

@@ -1,0 +1,176 @@
+"""Iterable (streaming) datasets: partitioned across ranks and loader workers, resumed exactly.
+
+A plug-in dataset may be a `torch.utils.data.IterableDataset` — a stream with no length. Its elements are
+numbered k = 0, 1, 2, ... in stream order. With W loader workers per rank there are S = world x max(W, 1)
+readers; reader s = rank x max(W, 1) + worker takes the elements with k mod S = s. Every reader iterates
+the whole stream and keeps its share, so an epoch reads each element exactly once across the job, whatever
+the stream is; a stream that can skip cheaply may shard itself instead (see docs/data.md). Before element k
+is drawn, the global RNGs are seeded from (seed, epoch, k), so random augmentation inside the stream is a
+function of the element.
+
+Position: each rank records, per reader, the largest k it has trained on (batch ids are stream indices, and
+a loader batch comes from one reader). A resumed reader skips its elements up to there: exact at the same
+world size and `--num_workers`. The shares depend on S, so a resume with another S is refused (exit 2).
+When a rank's share ends, that rank starts its next epoch (the dataset's `set_epoch(epoch)` is called if it
+has one); ranks never wait for each other on the data, and `--max_steps` ends training.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import random
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from ddptrain.config import TrainConfig
+from ddptrain.errors import TrainingError, UsageError
+
+
+def readers_per_rank(num_workers: int) -> int:
+    return max(num_workers, 1)
+
+
+class StreamShard(IterableDataset):
+    """One rank's share of a stream, yielding (k, item). `epoch` and `done` are set before each iteration."""
+
+    def __init__(self, dataset: IterableDataset, seed: int, rank: int, world_size: int):
+        self.dataset, self.seed, self.rank, self.world_size = dataset, seed, rank, world_size
+        self.epoch = 0
+        self.done: dict[int, int] = {}  # reader -> the largest k already trained on
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        from ddptrain.data import mix_seed, seed_global_rngs
+
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        readers, reader = self.world_size * workers, self.rank * workers + worker
+        after = self.done.get(reader, -1)
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(self.epoch)
+        restore = info is None  # in the training process the RNG streams belong to dropout & co.
+        saved = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if restore else None
+        stream = iter(self.dataset)
+        k = 0
+        try:
+            while True:
+                mine = k % readers == reader
+                if mine:
+                    seed_global_rngs(mix_seed(self.seed, self.epoch, k))
+                try:
+                    item = next(stream)
+                except StopIteration:
+                    return
+                if mine and k > after:
+                    yield k, item
+                k += 1
+        finally:
+            if saved is not None:
+                torch.set_rng_state(saved[0])
+                np.random.set_state(saved[1])
+                random.setstate(saved[2])
+
+
+class StreamPosition:
+    """This rank's place in its stream: the epoch, per reader the largest element index trained on, whose
+    batch comes next (`turn`) and which of its readers have run out this epoch."""
+
+    def __init__(self, readers: int, rank: int, num_workers: int):
+        self.readers = readers  # S, the number of readers of the whole job
+        per_rank = readers_per_rank(num_workers)
+        self.local = list(range(rank * per_rank, (rank + 1) * per_rank))  # this rank's readers, in turn order
+        self.new_epoch(0)
+
+    def new_epoch(self, epoch: int) -> None:
+        self.epoch, self.done, self.turn, self.exhausted = epoch, {}, self.local[0], set()
+
+    def took(self, ids: list[int]) -> None:
+        for k in ids:
+            reader = k % self.readers
+            self.done[reader] = max(self.done.get(reader, -1), k)
+
+    def after(self, reader: int) -> int:
+        """The reader whose batch follows `reader`'s: the next one in turn that has not run out."""
+        start = self.local.index(reader)
+        for step in range(1, len(self.local) + 1):
+            candidate = self.local[(start + step) % len(self.local)]
+            if candidate not in self.exhausted:
+                return candidate
+        return reader
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"readers": self.readers, "epoch": self.epoch, "done": dict(self.done), "turn": self.turn,
+                "exhausted": sorted(self.exhausted)}
+
+    def load_state_dict(self, state: dict[str, Any], world_size: int, num_workers: int) -> None:
+        if state["readers"] != self.readers:
+            raise UsageError(f"the iterable dataset was split over {state['readers']} readers (processes x "
+                             f"--num_workers) and this run has {self.readers} ({world_size} x "
+                             f"{readers_per_rank(num_workers)}); resume with the same world size and --num_workers, "
+                             "or start fresh (--no-auto_resume or another --run_dir)")
+        self.epoch, self.turn, self.exhausted = state["epoch"], state["turn"], set(state["exhausted"])
+        self.done = {int(k): v for k, v in state["done"].items()}
+
+
+def stream_loader(shard: StreamShard, cfg: TrainConfig, device: torch.device, drop_last: bool,
+                  seed: int) -> DataLoader:
+    from ddptrain.data import collate, worker_init
+
+    workers = cfg.num_workers
+    return DataLoader(shard, batch_size=cfg.batch_size, drop_last=drop_last, collate_fn=collate,
+                      num_workers=workers, pin_memory=device.type == "cuda",
+                      generator=torch.Generator().manual_seed(seed),  # never draws from the global RNG
+                      # workers are forked per epoch: a persistent worker would keep the old epoch and position
+                      persistent_workers=False, prefetch_factor=4 if workers > 0 else None,
+                      worker_init_fn=worker_init if workers > 0 else None)
+
+
+@contextlib.contextmanager
+def stream_batches(loader: DataLoader, shard: StreamShard, position: StreamPosition,
+                   background: bool) -> Iterator[Iterator]:
+    """Batches of this rank's share, epoch after epoch, in a fixed turn over its readers.
+
+    The DataLoader hands out its workers' batches round-robin from worker 0 whenever an iterator starts; a
+    resumed run must instead continue with the reader whose turn it was. So batches are taken in turn from
+    a small stash (at most one per reader), and a reader whose batches are over when the loader ends leaves
+    the turn: the same order in every run, whatever the timing.
+    """
+    from ddptrain.data import epoch_batches
+
+    def cycle() -> Iterator:
+        while True:
+            shard.epoch, shard.done = position.epoch, dict(position.done)
+            stash: dict[int, collections.deque] = {reader: collections.deque() for reader in position.local}
+            taken, ended = 0, False
+            with epoch_batches(loader, background=background) as batches:
+                while len(position.exhausted) < len(position.local):
+                    want = position.turn
+                    while not stash[want] and not ended:
+                        try:
+                            ids, batch = next(batches)
+                        except StopIteration:
+                            ended = True
+                            break
+                        stash[ids[0] % position.readers].append((ids, batch))
+                    if stash[want]:
+                        ids, batch = stash[want].popleft()
+                        position.took(ids)
+                        position.turn = position.after(want)
+                        taken += 1
+                        yield ids, batch
+                    else:  # the loader has ended and this reader gave nothing more: its share is done
+                        position.exhausted.add(want)
+                        position.turn = position.after(want)
+            if not taken:
+                raise TrainingError(f"rank {shard.rank}'s share of the iterable dataset yielded no batch of "
+                                    f"--batch_size {loader.batch_size} in epoch {position.epoch}")
+            position.new_epoch(position.epoch + 1)
+
+    batches = cycle()
+    try:
+        yield batches
+    finally:
+        batches.close()

@@ -1,0 +1,51 @@
+"""Iterable datasets: every element once per epoch across ranks and loader workers, exact resume at the same
+world size, and a clear refusal at another. Real processes, gloo on CPU."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from helpers import assert_bitwise_equal, metrics, one_line_error, read_jsonl, train, weights
+
+NUM = 203  # elements in the stream: not a multiple of the 4 readers or the batch
+STREAM = ["--dataset", "stream_plugins:image_stream", "--dataset_size", str(NUM), "--eval_size", "37",
+          "--batch_size", "8", "--num_workers", "2"]
+
+
+def test_each_element_is_read_once_per_epoch_across_ranks_and_workers(tmp_path):
+    # 2 ranks x 2 workers = 4 readers; reader s has the elements k = s mod 4 (50 or 51), of which 6 whole
+    # batches of 8 (48) are trained on per epoch. 30 steps take each rank into its third epoch.
+    train(tmp_path, *STREAM, "--max_steps", "30", "--record_sample_ids", nproc=2)
+    by_epoch: dict[int, list[int]] = defaultdict(list)
+    for rank in (0, 1):
+        for row in read_jsonl(tmp_path / "samples" / f"rank-{rank}.jsonl"):
+            by_epoch[row["epoch"]].extend(row["ids"])
+    expected = {k for s in range(4) for k in [k for k in range(NUM) if k % 4 == s][:48]}
+    for epoch in (0, 1):
+        seen = by_epoch[epoch]
+        assert len(seen) == len(set(seen)), f"an element was read twice in epoch {epoch}"
+        assert set(seen) == expected, f"epoch {epoch} skipped elements or read the drop_last tail"
+    assert metrics(tmp_path, "eval")[-1]["samples"] == 37, "eval reads every element once"
+
+
+def test_a_killed_stream_run_resumes_bitwise(tmp_path):
+    job = [*STREAM, "--max_steps", "16", "--save_every_steps", "5"]
+    train(tmp_path / "straight", *job, nproc=2)
+    train(tmp_path / "killed", *job, "--max_restarts", "1", nproc=2,
+          env={"DDPTRAIN_FAULT": "rank=1,step=8,kind=sigkill"})
+    assert_bitwise_equal(weights(tmp_path / "killed" / "model.safetensors"),
+                         weights(tmp_path / "straight" / "model.safetensors"))
+    losses = lambda d: [(r["step"], r["loss"]) for r in metrics(d, "train")]  # noqa: E731
+    assert losses(tmp_path / "killed") == losses(tmp_path / "straight")
+
+
+def test_resuming_a_stream_on_another_world_size_is_refused(tmp_path):
+    train(tmp_path, *STREAM, "--max_steps", "4", nproc=2)
+    line = one_line_error(train(tmp_path, *STREAM, "--max_steps", "8", check=False))
+    assert "readers" in line and "--num_workers" in line and "same world size" in line
+
+
+def test_a_stream_needs_max_steps(tmp_path: Path):
+    line = one_line_error(train(tmp_path, *STREAM, check=False))
+    assert "--max_steps" in line
