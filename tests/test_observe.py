@@ -12,6 +12,7 @@ import subprocess
 import sys
 import termios
 import threading
+import time
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from observed_run import observed_run
 from ddptrain import cli
 from ddptrain.models import MiniResNet
 from ddptrain.observe import perf
+from ddptrain.observe.gpu_util import GpuUtilisation, step_breakdown, utilisation_warning
 from ddptrain.procenv import free_port
 
 # The metrics.jsonl schema (README "Watching a run"): required keys and their JSON types, per split.
@@ -156,6 +158,66 @@ def test_profiler_summary_per_rank_and_logged_by_rank_0_only(run):
     output = run.proc.stdout + run.proc.stderr
     assert output.count("profiler: top 10 ops by self CPU time") == 1
     assert "traces/summary-rank-0.txt" in output
+
+
+def test_low_gpu_utilisation_warning_names_the_dominant_phase():
+    waiting = step_breakdown(step_s=0.100, data_wait_s=0.060, fwd_bwd_s=0.030, optimizer_s=0.005)
+    assert waiting == pytest.approx({"data_wait": 0.060, "fwd_bwd": 0.030, "optimizer": 0.005, "other": 0.005})
+    warning = utilisation_warning([40.0, 55.0, 62.0, 51.0], waiting)
+    assert warning.startswith("GPU utilisation 52% over this log window (below 80%)"), warning
+    assert "waiting for data (60% of step time)" in warning and "--num_workers" in warning
+    host = step_breakdown(step_s=0.100, data_wait_s=0.005, fwd_bwd_s=0.020, optimizer_s=0.005)
+    assert "host work outside the timed phases (70% of step time)" in utilisation_warning([10.0] * 5, host)
+    compute = step_breakdown(step_s=0.010, data_wait_s=0.0, fwd_bwd_s=0.009, optimizer_s=0.001)
+    assert "forward/backward (90% of step time)" in utilisation_warning([30.0], compute)
+    assert utilisation_warning([79.9], waiting) is not None
+    assert utilisation_warning([80.0], waiting) is None, "80% is not below 80%"
+    assert utilisation_warning([95.0, 60.0, 90.0], waiting) is None, "the window's mean decides, not one dip"
+    assert utilisation_warning([], waiting) is None, "no samples (CPU, or a window shorter than NVML's period)"
+    # Timed phases that overlap (host data wait beside device time) leave no negative remainder.
+    assert step_breakdown(step_s=0.010, data_wait_s=0.006, fwd_bwd_s=0.008, optimizer_s=0.001)["other"] == 0.0
+
+
+def test_no_gpu_utilisation_is_read_or_written_without_cuda(run):
+    sampler = GpuUtilisation(torch.device("cpu"))
+    assert not sampler.enabled and sampler.read() == []
+    assert not any("gpu_util_pct" in line for line in metrics(run.run_dir, "train"))
+    assert "GPU utilisation" not in run.proc.stdout + run.proc.stderr
+
+
+@pytest.mark.gpu
+def test_nvml_samples_the_utilisation_of_a_busy_gpu():
+    pytest.importorskip("pynvml", reason="pip install 'ddptrain[gpu]'")
+    device = torch.device("cuda", 0)
+    sampler = GpuUtilisation(device)
+    assert sampler.enabled
+    x = torch.randn(8192, 8192, device=device)
+    busy_until = time.monotonic() + 2.0
+    while time.monotonic() < busy_until:
+        for _ in range(20):
+            x = torch.tanh(x @ x)
+        torch.cuda.synchronize(device)
+    samples = sampler.read()
+    assert samples and all(0.0 <= s <= 100.0 for s in samples), samples
+    assert max(samples) >= 50.0, f"2 s of matmuls, yet NVML saw {samples}"
+    time.sleep(1.0)
+    assert all(s <= 100.0 for s in sampler.read()), "a second read returns only the newer samples"
+
+
+@pytest.mark.gpu
+def test_cuda_run_records_gpu_utilisation_and_warns_on_a_starved_gpu(tmp_path):
+    pytest.importorskip("pynvml", reason="pip install 'ddptrain[gpu]'")
+    # A tiny MLP cannot keep an H100-class GPU busy: the run must record it and say what the step waits on.
+    # 4096 steps in windows of 256: each window outlasts NVML's sample period (1/6 s to 1 s).
+    proc = train(tmp_path, "--backend", "nccl", "--dataset_size", "131072", "--epochs", "1", "--eval_size", "0",
+                 "--log_interval", "256", "--save_every", "0", timeout=600)
+    lines = [line for line in metrics(tmp_path, "train") if "gpu_util_pct" in line]
+    assert lines, "no train line carries gpu_util_pct"
+    for line in lines:
+        assert 0.0 <= line["gpu_util_pct"] <= 100.0 and len(line["gpu_util_pct_by_rank"]) == 1
+    warnings = [w for w in proc.stdout.splitlines() if "GPU utilisation" in w]
+    assert warnings and len(warnings) <= len(metrics(tmp_path, "train")), "at most one warning per log window"
+    assert all(re.search(r"most of the step is .* \(\d+% of step time\)", w) for w in warnings), warnings
 
 
 def test_flops_of_mini_resnet_match_a_hand_count():

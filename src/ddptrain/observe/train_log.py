@@ -1,9 +1,10 @@
 """The train line of metrics.jsonl: a window's numbers reduced over ranks once per log step, with the
-step-time breakdown, throughput, MFU and straggler statistics."""
+step-time breakdown, throughput, MFU, GPU utilisation (CUDA) and straggler statistics."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 
 from ddptrain.distributed import DistributedContext
 from ddptrain.observe import perf
+from ddptrain.observe.gpu_util import GpuUtilisation, step_breakdown, utilisation_warning
 from ddptrain.observe.metrics import MetricSinks, ProgressBar
 from ddptrain.state import MetricWindow
 
@@ -45,6 +47,7 @@ class TrainLog:
         self.flops_per_sample, self.peak_tflops = flops_per_sample, peak_tflops
         self.straggler_skew = straggler_skew
         self._streak: dict[int, int] = {}
+        self.gpu = GpuUtilisation(ctx.device)
 
     def write(self, window: MetricWindow, step: int, epoch: int, total_steps: int, lr: float,
               bar: ProgressBar) -> None:
@@ -65,8 +68,9 @@ class TrainLog:
                 breakdown[name] += self.clock.seconds(start, end)
         # Per-rank timing for straggler detection: step time, data wait and own time (data wait + forward).
         own = (window.data_wait + breakdown["forward"]) / steps
+        util = self.gpu.read()  # NVML's samples of this window, [] without CUDA
         rows = ctx.gather_floats([loss_sum, count, bad_loss, elapsed / steps, window.data_wait / steps, own,
-                                  window.units])
+                                  window.units, sum(util) / len(util) if util else math.nan])
         loss_sum, count = sum(r[0] for r in rows), sum(r[1] for r in rows)
         bad_loss_ranks = [rank for rank, r in enumerate(rows) if r[2] > 0]
         if (bad_steps or bad_loss_ranks) and ctx.is_main:
@@ -99,11 +103,25 @@ class TrainLog:
         mfu = perf.mfu(record["samples_per_sec_per_rank"], self.flops_per_sample, self.peak_tflops)
         if mfu is not None:
             record["mfu"] = mfu
+        if self.gpu.enabled:
+            self._utilisation(record, [r[7] for r in rows])
         self.sinks.write(record)
         log.info("train step %d/%d epoch %d: loss %.4f lr %.4g %.1f samples/s (data wait %.1f%%)",
                  step, total_steps, epoch, record["loss"], lr, samples_per_sec,
                  100 * record["data_wait_s"] / max(record["step_time_s"], 1e-9))
         bar.update(step, epoch, record["loss"], samples_per_sec)
+
+    def _utilisation(self, record: dict[str, Any], by_rank: list[float]) -> None:
+        """The ranks' mean GPU utilisation into the record, and a warning when it stays low (rank 0)."""
+        known = [u for u in by_rank if not math.isnan(u)]
+        if not known:  # a window shorter than NVML's sample period
+            return
+        record["gpu_util_pct"] = sum(known) / len(known)
+        record["gpu_util_pct_by_rank"] = [None if math.isnan(u) else round(u, 1) for u in by_rank]
+        warning = utilisation_warning(known, step_breakdown(record["step_time_s"], record["data_wait_s"],
+                                                            record["fwd_bwd_s"], record["optimizer_s"]))
+        if warning:
+            log.warning("step %d: %s", record["step"], warning)
 
     def _straggler_fields(self, per_rank: list[list[float]]) -> dict[str, Any]:
         """Slowest rank, its host and the skew (max/median) of the ranks' own time per step.
