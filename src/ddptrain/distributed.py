@@ -103,10 +103,6 @@ class DistributedContext:
         """Must be called on all ranks."""
         dist.barrier(group=self.control_group)
 
-    def all_true(self, flag: bool) -> bool:
-        """True iff `flag` is true on every rank. Must be called on all ranks."""
-        return bool(self.reduce_flags([0 if flag else 1])[0] == 0)
-
     def reduce_flags(self, values: list[float], op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> list[float]:
         """Elementwise `op` of a few numbers over all ranks on the CPU control group.
 
