@@ -1,8 +1,10 @@
-"""README's config table is generated from TrainConfig; this fails when the two drift apart."""
+"""The docs cannot drift: docs/configuration.md's config table is generated from TrainConfig, every relative
+link in README.md and docs/ points at a file that exists, and README stays a ten-minute read."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +14,19 @@ from ddptrain import docs
 from ddptrain.config import TrainConfig
 
 README = REPO / "README.md"
+CONFIGURATION = REPO / "docs" / "configuration.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
+README_MAX_LINES = 250
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")  # [text](target) and ![alt](target)
 
 
-def test_readme_config_table_is_the_generated_one():
-    assert docs.readme_table(README) == docs.config_table(), \
-        "README's config table is stale: run `python -m ddptrain.docs --write README.md`"
+def test_config_table_is_the_generated_one():
+    assert docs.file_table(CONFIGURATION) == docs.config_table(), \
+        "docs/configuration.md's config table is stale: run `python -m ddptrain.docs --write docs/configuration.md`"
 
 
 def test_table_has_one_row_per_field_inside_the_config_section():
-    text = README.read_text()
+    text = CONFIGURATION.read_text()
     section = text[text.index("<!-- section:config -->"):text.index("<!-- /section:config -->")]
     assert docs.BEGIN in section and docs.END in section
     rows = [line for line in docs.config_table().splitlines() if line.startswith("| `--")]
@@ -28,7 +34,7 @@ def test_table_has_one_row_per_field_inside_the_config_section():
 
 
 def test_check_fails_on_a_stale_table_and_write_repairs_it(tmp_path: Path):
-    stale = tmp_path / "README.md"
+    stale = tmp_path / "configuration.md"
     stale.write_text(f"intro\n{docs.BEGIN}\n| `--lr` | `1` | old |\n{docs.END}\nrest\n")
     run = lambda *args: subprocess.run([sys.executable, "-m", "ddptrain.docs", *args],  # noqa: E731
                                        capture_output=True, text=True)
@@ -37,3 +43,27 @@ def test_check_fails_on_a_stale_table_and_write_repairs_it(tmp_path: Path):
     assert run("--check", str(stale)).returncode == 0
     text = stale.read_text()
     assert text.startswith("intro\n") and text.endswith(f"{docs.END}\nrest\n")
+
+
+def relative_links(page: Path) -> list[str]:
+    """Link targets of a markdown page outside code blocks, without URLs and pure #anchors."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    targets = [m.group(1) for m in LINK.finditer(text)]
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t) and not t.startswith("#")]
+
+
+def test_every_relative_link_in_readme_and_docs_resolves():
+    assert len(PAGES) > 1
+    broken = [f"{page.relative_to(REPO)}: {target}" for page in PAGES for target in relative_links(page)
+              if not (page.parent / target.split("#", 1)[0]).exists()]
+    assert not broken, broken
+
+
+def test_readme_is_short_and_reaches_every_docs_page_in_one_link():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail into docs/"
+    linked = {(REPO / t.split("#", 1)[0]).resolve() for t in relative_links(README)}
+    unlinked = [p.name for p in PAGES[1:] if p.resolve() not in linked]
+    assert not unlinked, f"README.md does not link {unlinked}"
+    text = README.read_text()
+    assert "make run    #" in text and "make test   #" in text  # the two commands

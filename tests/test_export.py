@@ -1,4 +1,4 @@
-"""`ddptrain export`: verified checkpoint -> one safetensors file + config JSON; the README snippet loads it."""
+"""`ddptrain export`: verified checkpoint -> one safetensors file + config JSON; the documented snippets load it."""
 
 from __future__ import annotations
 
@@ -39,16 +39,21 @@ def export_error(capsys, *args: str) -> str:
     return lines[0]
 
 
-def readme_snippet() -> str:
-    """The Python block of README's "Exporting weights" section, exactly as users read it."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("<!-- section:export -->", 1)[1].split("<!-- /section:export -->", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) == 1, "the export section should hold exactly one python block"
+def python_block(page: str, section: str) -> str:
+    """The one Python block of a `<!-- section:NAME -->` in a markdown page, exactly as users read it."""
+    text = (REPO / page).read_text()
+    body = text.split(f"<!-- section:{section} -->", 1)[1].split(f"<!-- /section:{section} -->", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    assert len(blocks) == 1, f"{page}'s {section} section should hold exactly one python block"
     return blocks[0]
 
 
-def test_export_writes_weights_and_config_that_the_readme_snippet_loads(run, tmp_path, capsys):
+def export_snippet() -> str:
+    """The Python block of docs/checkpoints.md's "Exporting weights" section."""
+    return python_block("docs/checkpoints.md", "export")
+
+
+def test_export_writes_weights_and_config_that_the_documented_snippet_loads(run, tmp_path, capsys):
     checkpoint = last_committed(run.run_dir)
     code, _, err = export(capsys, str(checkpoint), str(tmp_path / "model.safetensors"))
     assert code == 0, err
@@ -62,8 +67,18 @@ def test_export_writes_weights_and_config_that_the_readme_snippet_loads(run, tmp
     assert meta["step"] == "12" and meta["model"] == "mini_resnet" and meta["format"] == "ddptrain-export/1"
 
     # The snippet runs as written, in the directory holding the two files; strict loading checks every key.
-    snippet = subprocess.run([sys.executable, "-c", readme_snippet()], cwd=tmp_path, env=cli_env(),
+    snippet = subprocess.run([sys.executable, "-c", export_snippet()], cwd=tmp_path, env=cli_env(),
                              capture_output=True, text=True, timeout=120)
+    assert snippet.returncode == 0, snippet.stderr
+    assert "torch.Size([1, 10])" in snippet.stdout
+
+
+def test_the_readme_python_example_loads_a_finished_run_dir(run, tmp_path):
+    """README's Python example, exactly as printed, against a finished run dir placed where it looks."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "quickstart").symlink_to(run.run_dir, target_is_directory=True)
+    snippet = subprocess.run([sys.executable, "-c", python_block("README.md", "python")], cwd=tmp_path,
+                             env=cli_env(), capture_output=True, text=True, timeout=120)
     assert snippet.returncode == 0, snippet.stderr
     assert "torch.Size([1, 10])" in snippet.stdout
 

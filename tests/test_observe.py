@@ -28,7 +28,7 @@ from ddptrain.observe import perf
 from ddptrain.observe.gpu_util import GpuUtilisation, step_breakdown, utilisation_warning
 from ddptrain.procenv import free_port
 
-# The metrics.jsonl schema (README "Watching a run"): required keys and their JSON types, per split.
+# The metrics.jsonl schema (docs/observability.md): required keys and their JSON types, per split.
 COMMON = {"time": float, "step": int, "epoch": int, "split": str, "loss": float}
 TRAIN = {**COMMON, "lr": float, "samples_per_sec": float, "samples_per_sec_per_rank": float, "grad_norm": float,
          "step_time_s": float, "data_wait_s": float, "fwd_bwd_s": float, "optimizer_s": float,
