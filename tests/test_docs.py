@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from helpers import REPO
-from ddptrain import docs
+from ddptrain import config_table as docs
 from ddptrain.config import TrainConfig
 
 README = REPO / "README.md"
@@ -22,7 +22,7 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")  # [text](target) and ![alt](tar
 
 def test_config_table_is_the_generated_one():
     assert docs.file_table(CONFIGURATION) == docs.config_table(), \
-        "docs/configuration.md's config table is stale: run `python -m ddptrain.docs --write docs/configuration.md`"
+        "docs/configuration.md's config table is stale: run `python -m ddptrain.config_table --write docs/configuration.md`"
 
 
 def test_table_has_one_row_per_field_inside_the_config_section():
@@ -36,7 +36,7 @@ def test_table_has_one_row_per_field_inside_the_config_section():
 def test_check_fails_on_a_stale_table_and_write_repairs_it(tmp_path: Path):
     stale = tmp_path / "configuration.md"
     stale.write_text(f"intro\n{docs.BEGIN}\n| `--lr` | `1` | old |\n{docs.END}\nrest\n")
-    run = lambda *args: subprocess.run([sys.executable, "-m", "ddptrain.docs", *args],  # noqa: E731
+    run = lambda *args: subprocess.run([sys.executable, "-m", "ddptrain.config_table", *args],  # noqa: E731
                                        capture_output=True, text=True)
     assert run("--check", str(stale)).returncode == 1
     assert run("--write", str(stale)).returncode == 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import sys
 import traceback
 from pathlib import Path
@@ -123,9 +122,9 @@ def _spawn(cfg: TrainConfig, model: Any, datasets: Any, task: Any) -> dict[str, 
     """`cfg.nproc` local workers with torchrun's environment on a free port; rank 0's summary."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from ddptrain.procenv import free_port
+
+    port = free_port()
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     try:

@@ -141,7 +141,7 @@ class TrainConfig:
     record_sample_ids: bool = opt(False, "write the sample ids of every step to RUN_DIR/samples/rank-R.jsonl",
                                   group="observability")
     inject_fault: str = opt("", "fault injection for tests and chaos runs, e.g. 'rank=1,step=5,kind=sigkill' "
-                            "(see README; also DDPTRAIN_FAULT)", group="observability")
+                            "(see docs/checkpoints.md; also DDPTRAIN_FAULT)", group="observability")
 
     # --- performance ----------------------------------------------------------------------------
     channels_last: bool = opt(False, "channels_last memory format for model and inputs", group="performance")
