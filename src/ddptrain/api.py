@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import sys
 import traceback
@@ -101,6 +102,11 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
     the calling process, or None on ranks other than 0 under torchrun; raises UsageError for bad input and
     TrainingError when training fails.
     """
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    for key in overrides:
+        if key not in known:
+            hint = difflib.get_close_matches(key, known, n=1)
+            raise UsageError(f"fit({key}=...): not a TrainConfig field" + (f"; did you mean {hint[0]}?" if hint else ""))
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
     if not cfg.run_dir:
         cfg.run_dir = str(Path("runs") / Path(sys.argv[0] or "default").stem)
@@ -131,7 +137,10 @@ def _spawn(cfg: TrainConfig, model: Any, datasets: Any, task: Any) -> dict[str, 
         mp.start_processes(_spawned, args=(cfg, port, model, datasets, task, results), nprocs=cfg.nproc,
                            start_method="spawn")
     except mp.ProcessRaisedException as exc:
-        raise TrainingError(str(exc).strip().splitlines()[-1]) from None
+        last = str(exc).strip().splitlines()[-1]  # "module.Class: message" of the worker's exception
+        if last.startswith("ddptrain.errors.UsageError: "):
+            raise UsageError(last.split(": ", 1)[1]) from None
+        raise TrainingError(last) from None
     except mp.ProcessExitedException as exc:
         raise TrainingError(f"a worker exited with code {exc.exit_code}") from None
     return results.get()

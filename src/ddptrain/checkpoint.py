@@ -349,30 +349,49 @@ class CheckpointManager:
                 log.warning("could not delete old checkpoint %s (%s); training continues", path, exc)
 
     def start_line(self, loaded: Loaded | None) -> None:
-        """Move aside the committed checkpoints this run does not continue from. Rank 0 only.
+        """Move aside the committed checkpoints this run does not continue from. All ranks (rank 0 moves, every
+        rank learns the outcome).
 
         After resuming from step S (or starting fresh, S = 0), checkpoints of steps after S belong to an
         abandoned line: left in place, retention would keep them over the new line's saves and a later
         auto-resume would pick them. They go to `abandoned/<time>-at-step-S/`, never deleted.
         """
+        error = None
+        if self.ctx.is_main:
+            try:
+                self._move_aside(loaded)
+            except OSError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        error = self.ctx.broadcast_object(error)
+        if error is not None:
+            raise TrainingError(f"could not move the checkpoints of an abandoned line aside in {self.directory} "
+                                f"on rank 0 ({self.ctx.hosts[0]}): {error}")
+
+    def _move_aside(self, loaded: Loaded | None) -> None:
         start_step, start_path = (loaded.position.step, loaded.path.resolve()) if loaded else (0, None)
         stale = [p for step, p in committed_steps(self.directory)
                  if step > start_step or (step == start_step and p.resolve() != start_path)]
         if not stale:
             return
-        aside = self.directory / ABANDONED / f"{time.strftime('%Y%m%d-%H%M%S')}-at-step-{start_step}"
-        aside.mkdir(parents=True, exist_ok=True)
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-at-step-{start_step}"
+        aside = self.directory / ABANDONED / stamp
+        for attempt in range(1, 1000):  # two starts in one second: never merge into an earlier line's dir
+            if not aside.exists():
+                break
+            aside = self.directory / ABANDONED / f"{stamp}-{attempt}"
+        aside.mkdir(parents=True)
         for path in stale:
             path.rename(aside / path.name)
         log.warning("%s: %s belong to another line of training than this run's start (step %d); "
                     "moved to %s", self.directory, ", ".join(p.name for p in stale), start_step, aside)
 
-    def resume(self, explicit: str, model_state: dict[str, torch.Tensor]) -> Loaded | None:
+    def resume(self, explicit: str, model_state: dict[str, torch.Tensor], continue_line: bool = True) -> Loaded | None:
         """The newest checkpoint that loads on every rank, or None for a fresh start. All ranks.
 
         `explicit` (--resume_from) chooses where the run's line starts: the first attempt loads it (or
         fails with a UsageError); later attempts of the same run (an elastic restart, a requeue, the same
-        command again) find the line's own newer checkpoints first and continue from the newest. Otherwise
+        command again) find the line's own newer checkpoints first and continue from the newest, unless
+        `continue_line` is False (--no-auto_resume: `explicit` then starts a new line). Otherwise
         committed checkpoints in the directory are tried newest first. An unusable one is reported (path,
         reason) and the previous one is tried; committed checkpoints that all fail are an error, never a
         silent fresh start.
@@ -381,7 +400,7 @@ class CheckpointManager:
         listing = None
         if self.ctx.is_main:
             listing = [str(p) for _, p in committed_steps(self.directory)
-                       if not explicit or read_origin(p) == origin]
+                       if not explicit or (continue_line and read_origin(p) == origin)]
         candidates = [Path(p) for p in self.ctx.broadcast_object(listing)]  # one view for all ranks
         if explicit:
             if candidates and self.ctx.is_main:

@@ -30,6 +30,9 @@ from ddptrain.config import TrainConfig
 from ddptrain.errors import TrainingError, UsageError
 
 
+STREAM_START = -1  # the element index whose seed a stream's own start-of-epoch draws take
+
+
 def readers_per_rank(num_workers: int) -> int:
     return max(num_workers, 1)
 
@@ -49,17 +52,19 @@ class StreamShard(IterableDataset):
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         readers, reader = self.world_size * workers, self.rank * workers + worker
         after = self.done.get(reader, -1)
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(self.epoch)
         restore = info is None  # in the training process the RNG streams belong to dropout & co.
         saved = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if restore else None
-        stream = iter(self.dataset)
-        k = 0
         try:
+            # Every reader must see the same stream: whatever it draws when it starts (a shuffle in
+            # set_epoch or __iter__) and before each element is seeded alike on all of them.
+            seed_global_rngs(mix_seed(self.seed, self.epoch, STREAM_START))
+            if hasattr(self.dataset, "set_epoch"):
+                self.dataset.set_epoch(self.epoch)
+            stream = iter(self.dataset)
+            k = 0
             while True:
                 mine = k % readers == reader
-                if mine:
-                    seed_global_rngs(mix_seed(self.seed, self.epoch, k))
+                seed_global_rngs(mix_seed(self.seed, self.epoch, k))
                 try:
                     item = next(stream)
                 except StopIteration:
@@ -80,7 +85,7 @@ class StreamPosition:
 
     def __init__(self, readers: int, rank: int, num_workers: int):
         self.readers = readers  # S, the number of readers of the whole job
-        per_rank = readers_per_rank(num_workers)
+        per_rank = self.per_rank = readers_per_rank(num_workers)
         self.local = list(range(rank * per_rank, (rank + 1) * per_rank))  # this rank's readers, in turn order
         self.new_epoch(0)
 
@@ -102,11 +107,13 @@ class StreamPosition:
         return reader
 
     def state_dict(self) -> dict[str, Any]:
-        return {"readers": self.readers, "epoch": self.epoch, "done": dict(self.done), "turn": self.turn,
-                "exhausted": sorted(self.exhausted)}
+        return {"readers": self.readers, "per_rank": self.per_rank, "epoch": self.epoch, "done": dict(self.done),
+                "turn": self.turn, "exhausted": sorted(self.exhausted)}
 
     def load_state_dict(self, state: dict[str, Any], world_size: int, num_workers: int) -> None:
-        if state["readers"] != self.readers:
+        """Restore this rank's saved position. The same decision on every rank: S and readers per rank are the
+        same in every rank's saved state."""
+        if state["readers"] != self.readers or state.get("per_rank") != self.per_rank:
             raise UsageError(f"the iterable dataset was split over {state['readers']} readers (processes x "
                              f"--num_workers) and this run has {self.readers} ({world_size} x "
                              f"{readers_per_rank(num_workers)}); resume with the same world size and --num_workers, "
@@ -144,7 +151,7 @@ def stream_batches(loader: DataLoader, shard: StreamShard, position: StreamPosit
         while True:
             shard.epoch, shard.done = position.epoch, dict(position.done)
             stash: dict[int, collections.deque] = {reader: collections.deque() for reader in position.local}
-            taken, ended = 0, False
+            taken, ended, resumed = 0, False, bool(position.done)
             with epoch_batches(loader, background=background) as batches:
                 while len(position.exhausted) < len(position.local):
                     want = position.turn
@@ -164,7 +171,7 @@ def stream_batches(loader: DataLoader, shard: StreamShard, position: StreamPosit
                     else:  # the loader has ended and this reader gave nothing more: its share is done
                         position.exhausted.add(want)
                         position.turn = position.after(want)
-            if not taken:
+            if not taken and not resumed:  # (a resumed epoch may have had nothing left: saved after its end)
                 raise TrainingError(f"rank {shard.rank}'s share of the iterable dataset yielded no batch of "
                                     f"--batch_size {loader.batch_size} in epoch {position.epoch}")
             position.new_epoch(position.epoch + 1)

@@ -72,8 +72,12 @@ def read_meta(data_dir: str) -> dict:
         meta = json.loads(path.read_text())
     except ValueError as exc:
         raise UsageError(f"{path}: not valid JSON ({exc})") from None
-    if meta.get("format") != FORMAT or meta.get("dtype") not in DTYPES or not meta.get("train"):
-        raise UsageError(f"{path}: not a {FORMAT} meta.json with a dtype of {', '.join(DTYPES)} and train files")
+    listed = [meta.get(key, []) for key in ("train", "eval")] if isinstance(meta, dict) else [None]
+    if (not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("dtype") not in DTYPES
+            or not isinstance(meta.get("vocab_size"), int) or not meta.get("train")
+            or not all(isinstance(names, list) and all(isinstance(n, str) for n in names) for names in listed)):
+        raise UsageError(f"{path}: not a {FORMAT} meta.json (a dtype of {', '.join(DTYPES)}, an integer vocab_size, "
+                         "lists of train and eval file names)")
     for name in meta["train"] + meta.get("eval", []):
         shard = Path(data_dir) / name
         if not shard.is_file():

@@ -377,8 +377,9 @@ class Trainer:
         self._last_save_time = time.monotonic()
 
     def _rank_state(self) -> dict[str, Any]:
-        """What differs between ranks and a checkpoint gathers from each: RNG streams, a stream's position."""
-        state = rng_state(self.ctx.device)
+        """What differs between ranks and a checkpoint gathers from each: RNG streams, the unlogged metric window,
+        a stream's position."""
+        state = {**rng_state(self.ctx.device), "window": self.window.state_dict()}
         if self.stream is not None:
             state["stream"] = self.stream_position.state_dict()
         return state
@@ -402,11 +403,11 @@ class Trainer:
             (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
         loaded = None
         if self.cfg.resume_from or self.cfg.auto_resume:
-            loaded = self.checkpoints.resume(self.cfg.resume_from, self.module.state_dict())
+            loaded = self.checkpoints.resume(self.cfg.resume_from, self.module.state_dict(),
+                                             continue_line=self.cfg.auto_resume)
         if loaded is not None:
             self._apply(loaded)
-        if self.ctx.is_main:
-            self.checkpoints.start_line(loaded)
+        self.checkpoints.start_line(loaded)
 
     def _apply(self, loaded: Loaded) -> None:
         saved, pos = loaded.position, self.position
@@ -434,7 +435,7 @@ class Trainer:
             group["lr"] = self.peak_lr * factor(self.scheduler.last_epoch)
         if self.scaler is not None and loaded.trainer["scaler"] is not None:
             self.scaler.load_state_dict(loaded.trainer["scaler"])
-        self.window.load_state_dict(loaded.trainer["window"])
+        self._restore_window(loaded.trainer["rng"], saved.world_size)
         pos.step, pos.epoch, pos.cursor = saved.step, saved.epoch, saved.cursor
         self._first_step = saved.step
         self.checkpoints.last_saved_step = saved.step
@@ -443,11 +444,13 @@ class Trainer:
                         "epoch %d, but steps are no longer comparable with the original run",
                         saved.global_batch_size, pos.global_batch_size, saved.cursor, saved.epoch)
         rngs = loaded.trainer["rng"]
+        saved_stream = rngs[min(self.ctx.rank, len(rngs) - 1)].get("stream")
+        if (saved_stream is None) != (self.stream is None):
+            kinds = ("an IterableDataset", "a map-style dataset")
+            saved_kind, this_kind = (kinds[1], kinds[0]) if saved_stream is None else kinds
+            raise UsageError(f"{loaded.path} was saved from {saved_kind}; this run's is {this_kind}: start fresh "
+                             "(--no-auto_resume or another --run_dir)")
         if self.stream is not None:
-            saved_stream = rngs[min(self.ctx.rank, len(rngs) - 1)].get("stream")
-            if saved_stream is None:
-                raise UsageError(f"{loaded.path} was saved from a map-style dataset; this run's is an IterableDataset: "
-                                 "start fresh (--no-auto_resume or another --run_dir)")
             self.stream_position.load_state_dict(saved_stream, self.ctx.world_size, self.cfg.num_workers)
         if saved.world_size == self.ctx.world_size:
             set_rng_state(rngs[self.ctx.rank], self.ctx.device)
@@ -455,6 +458,18 @@ class Trainer:
             log.warning("world size changed on resume: %d -> %d; data order continues sample-exactly, per-rank "
                         "RNG streams (dropout) are reseeded", saved.world_size, self.ctx.world_size)
             seed_rank_rngs(mix_seed(self.cfg.seed, saved.step), self.ctx.rank)
+
+    def _restore_window(self, ranks: list[dict[str, Any]], saved_world: int) -> None:
+        """Each rank's own unlogged sums; on another world size rank 0 takes them all (the totals stay right)."""
+        windows = [r["window"] for r in ranks if "window" in r]
+        if len(windows) != len(ranks):
+            return  # a checkpoint from before per-rank windows: its one window was rank 0's
+        if saved_world == self.ctx.world_size:
+            self.window.load_state_dict(windows[self.ctx.rank])
+        elif self.ctx.is_main:
+            total = {key: sum(w[key] for w in windows) for key in ("loss", "count", "bad_loss")}
+            total["bad_steps"] = torch.stack([w["bad_steps"] for w in windows]).any(dim=0)
+            self.window.load_state_dict({**total, "steps": windows[0]["steps"]})
 
     # --- metrics ---------------------------------------------------------------------------------
     def _log_train(self, bar: ProgressBar) -> None:

@@ -83,9 +83,21 @@ class GpuUtilisation:
         return self._pynvml is not None
 
     def read(self) -> list[float]:
-        """Utilisation (percent) of each sample NVML took since the previous read; [] when disabled."""
+        """Utilisation (percent) of each sample NVML took since the previous read; [] when disabled.
+
+        Never raises: it runs on each rank just before a collective, so an NVML failure on one rank (a lost
+        GPU, a driver reset) turns the sampling off there, with a warning, instead of failing that rank alone.
+        """
         if self._pynvml is None:
             return []
+        try:
+            return self._read()
+        except self._pynvml.NVMLError as exc:
+            log.warning("GPU utilisation: NVML failed (%s); no more samples from this rank", exc)
+            self._pynvml = None
+            return []
+
+    def _read(self) -> list[float]:
         nvml = self._pynvml
         if self._use_buffer:
             try:
