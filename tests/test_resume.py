@@ -200,3 +200,12 @@ def test_nan_with_stop_fails_every_rank_naming_step_and_rank(tmp_path):
                  env={"DDPTRAIN_FAULT": "rank=1,step=3,kind=nan"})
     assert proc.returncode == 1
     assert "non-finite gradient norm at step 3 (non-finite loss on rank(s) [1])" in proc.stderr
+
+
+def test_a_resume_inside_a_log_window_logs_what_the_uninterrupted_run_logs(tmp_path):
+    # Log every 4 steps, save every 3: the checkpoint of step 3 holds a window of 3 unlogged steps per rank.
+    job = [*JOB, "--log_interval", "4"]
+    train(tmp_path / "straight", *job, nproc=2)
+    train(tmp_path / "killed", *job, "--max_restarts", "1", nproc=2, env={"DDPTRAIN_FAULT": "rank=1,step=5,kind=sigkill"})
+    assert losses(tmp_path / "killed") == losses(tmp_path / "straight")
+    assert sorted(losses(tmp_path / "straight")) == [4, 8, 12, 16]

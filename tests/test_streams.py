@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+import torch
+
 from helpers import assert_bitwise_equal, metrics, one_line_error, read_jsonl, train, weights
 
 NUM = 203  # elements in the stream: not a multiple of the 4 readers or the batch
@@ -29,11 +32,14 @@ def test_each_element_is_read_once_per_epoch_across_ranks_and_workers(tmp_path):
     assert metrics(tmp_path, "eval")[-1]["samples"] == 37, "eval reads every element once"
 
 
-def test_a_killed_stream_run_resumes_bitwise(tmp_path):
-    job = [*STREAM, "--max_steps", "16", "--save_every_steps", "5"]
+@pytest.mark.parametrize("save_every, fault", [
+    ("5", "rank=1,step=8,kind=sigkill"),    # mid-epoch
+    ("12", "rank=0,step=14,kind=sigkill"),  # resumed from the checkpoint right after each rank's last batch
+], ids=["mid-epoch", "epoch-end"])
+def test_a_killed_stream_run_resumes_bitwise(tmp_path, save_every, fault):
+    job = [*STREAM, "--max_steps", "16", "--save_every_steps", save_every]
     train(tmp_path / "straight", *job, nproc=2)
-    train(tmp_path / "killed", *job, "--max_restarts", "1", nproc=2,
-          env={"DDPTRAIN_FAULT": "rank=1,step=8,kind=sigkill"})
+    train(tmp_path / "killed", *job, "--max_restarts", "1", nproc=2, env={"DDPTRAIN_FAULT": fault})
     assert_bitwise_equal(weights(tmp_path / "killed" / "model.safetensors"),
                          weights(tmp_path / "straight" / "model.safetensors"))
     losses = lambda d: [(r["step"], r["loss"]) for r in metrics(d, "train")]  # noqa: E731
@@ -46,6 +52,35 @@ def test_resuming_a_stream_on_another_world_size_is_refused(tmp_path):
     assert "readers" in line and "--num_workers" in line and "same world size" in line
 
 
-def test_a_stream_needs_max_steps(tmp_path: Path):
-    line = one_line_error(train(tmp_path, *STREAM, check=False))
-    assert "--max_steps" in line
+def test_the_same_number_of_readers_in_another_layout_is_refused(tmp_path):
+    train(tmp_path, *STREAM, "--max_steps", "4")  # 1 process x 2 workers
+    line = one_line_error(train(tmp_path, *STREAM, "--max_steps", "8", "--num_workers", "0", "--batch_size", "4",
+                                nproc=2, check=False))
+    assert "same world size and --num_workers" in line  # 2 processes x 1 reader: also 2 readers
+
+
+class ShuffledIndices(torch.utils.data.IterableDataset):
+    """0..size-1 in an order shuffled with torch's global RNG when iteration starts, as many streams do."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __iter__(self):
+        yield from torch.randperm(self.size).tolist()
+
+
+def test_a_stream_that_shuffles_as_it_starts_is_read_alike_by_every_reader():
+    from ddptrain.config import TrainConfig
+    from ddptrain.streams import StreamShard, stream_loader
+
+    for rank in (0, 1):  # 2 ranks x 2 loader workers: 4 readers, each must see the same shuffled order
+        shard = StreamShard(ShuffledIndices(24), seed=3, rank=rank, world_size=2)
+        loader = stream_loader(shard, TrainConfig(num_workers=2, batch_size=3), torch.device("cpu"), drop_last=False,
+                               seed=rank)
+        read = [(k, int(x)) for ids, batch in loader for k, x in zip(ids, batch)]
+        assert [k % 4 for k, _ in read if k % 4 not in (2 * rank, 2 * rank + 1)] == []
+        if rank == 0:
+            first = dict(read)
+        else:
+            both = {**first, **dict(read)}
+    assert sorted(both) == list(range(24)) and sorted(both.values()) == list(range(24)), "elements read twice"
