@@ -153,7 +153,7 @@ def test_retention_keeps_the_newest_and_survives_a_failed_delete(tmp_path, monke
     # A delete that fails (e.g. a file held open on a network filesystem) is logged, never fatal.
     import logging
 
-    from ddptrain.checkpoint import CheckpointManager
+    from ddptrain.checkpoint_manager import CheckpointManager
 
     manager = CheckpointManager.__new__(CheckpointManager)
     manager.directory, manager.keep_last = tmp_path / "checkpoints", 1

@@ -17,7 +17,7 @@ import torch
 
 from fault_plugins import AugmentedImages
 from helpers import REPO, TINY, cli_env
-from ddptrain.checkpoint import _cpu_copy
+from ddptrain.checkpoint import cpu_copy as _cpu_copy
 from ddptrain.config import resolve_config
 from ddptrain.data import SeededSamples, SyntheticImages, make_loader
 from ddptrain.models import MiniResNet

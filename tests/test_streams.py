@@ -4,7 +4,6 @@ world size, and a clear refusal at another. Real processes, gloo on CPU."""
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch

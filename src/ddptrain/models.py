@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -135,3 +137,20 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     if cfg.model == "gpt":
         return GPT(cfg.vocab_size, cfg.seq_len, cfg.width, cfg.num_layers, cfg.num_heads)
     raise UsageError(f"--model {cfg.model!r}: unknown")
+
+
+def instantiate(cfg: TrainConfig, model: nn.Module | Callable[[TrainConfig], nn.Module] | None,
+                device: torch.device) -> nn.Module:
+    """The run's module on `device`: `model` itself, `model(cfg)`, or `--model`'s, built after seeding with
+    --seed so that init is identical on every rank; SyncBatchNorm and channels_last as the config asks."""
+    torch.manual_seed(cfg.seed)
+    if model is None:
+        model = build_model(cfg)
+    elif not isinstance(model, nn.Module):
+        model = model(cfg)
+    module = model.to(device)
+    if cfg.sync_batchnorm:
+        module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    if cfg.channels_last:
+        module = module.to(memory_format=torch.channels_last)
+    return module

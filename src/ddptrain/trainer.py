@@ -13,25 +13,24 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import signal
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.data import IterableDataset
 
-from ddptrain.batch import collate, to_device
-from ddptrain.checkpoint import CheckpointManager, Loaded, Position, Snapshot, safetensors_bytes, write_atomic
+from ddptrain.batch import to_device
+from ddptrain.checkpoint import Position, safetensors_bytes, write_atomic
+from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.config import TrainConfig
-from ddptrain.data import (BatchLayout, GlobalOrderSampler, ShardedEvalSampler, build_datasets, epoch_batches,
-                           make_loader, mix_seed)
+from ddptrain.data import BatchLayout, build_datasets, epoch_batches
 from ddptrain.distributed import DistributedContext, LaggedVote
-from ddptrain.errors import Preempted, TrainingError, UsageError
+from ddptrain.errors import Preempted, TrainingError
 from ddptrain.evaluator import Evaluator
 from ddptrain.faults import FaultInjector
-from ddptrain.models import build_model
+from ddptrain.loaders import build_loaders
+from ddptrain.models import instantiate
 from ddptrain.observe import perf
 from ddptrain.observe.log import rank_log_path
 from ddptrain.observe.metrics import MetricSinks, ProgressBar
@@ -40,34 +39,14 @@ from ddptrain.observe.train_log import Clock, TrainLog
 from ddptrain.observe.watchdog import Watchdog
 from ddptrain.optim import build_optimizer, build_scheduler, peak_lr
 from ddptrain.parallel import DataParallel
-from ddptrain.state import MetricWindow, rng_state, seed_rank_rngs, set_rng_state
-from ddptrain.streams import StreamPosition, StreamShard, readers_per_rank, stream_batches, stream_loader
+from ddptrain.preempt import PREEMPTED_MARKER, StopSignals
+from ddptrain.trainer_state import rank_state, restore, snapshot
+from ddptrain.state import MetricWindow, seed_rank_rngs
+from ddptrain.streams import stream_batches
 from ddptrain.tasks import Task, build_task
 
 __all__ = ["Trainer", "build_optimizer"]
 log = logging.getLogger("ddptrain")
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-PREEMPTED_MARKER = "PREEMPTED"
-
-
-class StopSignals:
-    """SIGTERM / SIGUSR1 only set a flag; the loop acts on it at the next step boundary, on all ranks."""
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.received = signal.Signals(signum).name
-
-    def __enter__(self) -> StopSignals:
-        for sig in PREEMPT_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 class Trainer:
@@ -84,55 +63,21 @@ class Trainer:
         # Data first: its size decides the schedule. Global batch = micro batch x world x accumulation.
         train_ds, eval_ds = datasets if datasets is not None else build_datasets(cfg)
         self.layout = BatchLayout(cfg.batch_size, ctx.world_size, cfg.grad_accum_steps)
-        self.stream: StreamShard | None = None  # an IterableDataset: no length, read as a partitioned stream
-        if isinstance(train_ds, IterableDataset):
-            if not cfg.max_steps:
-                raise UsageError("the training dataset is an IterableDataset (a stream without a length): pass "
-                                 "--max_steps to say how long to train")
-            self.stream = StreamShard(train_ds, cfg.seed, ctx.rank, ctx.world_size)
-            self.stream_position = StreamPosition(ctx.world_size * readers_per_rank(cfg.num_workers), ctx.rank,
-                                                  cfg.num_workers)
-            self.num_train, self.steps_per_epoch, self.sampler = None, None, None
-            self.train_loader = stream_loader(self.stream, cfg, device, drop_last=True,
-                                              seed=mix_seed(cfg.seed, 4, ctx.rank))
-        else:
-            self.num_train = len(train_ds)
-            self.steps_per_epoch = self.layout.steps_per_epoch(self.num_train)
-            if self.steps_per_epoch == 0:
-                raise UsageError(f"--batch_size {cfg.batch_size} x {ctx.world_size} processes x --grad_accum_steps "
-                                 f"{cfg.grad_accum_steps} = {self.layout.global_batch_size} exceeds the "
-                                 f"{self.num_train} training samples; lower one of them")
-            self.sampler = GlobalOrderSampler(self.num_train, self.layout, ctx.rank, cfg.seed)
-            self.train_loader = make_loader(train_ds, self.sampler, cfg, device,
-                                            seed=mix_seed(cfg.seed, 4, ctx.rank))
+        data = build_loaders(cfg, ctx, self.layout, train_ds, eval_ds)
+        self.train_loader, self.eval_loader, self.sampler = data.train, data.eval, data.sampler
+        self.stream, self.stream_position = data.stream, data.stream_position
+        self.num_train, self.steps_per_epoch = data.num_train, data.steps_per_epoch
         # With loader workers on CPU, a thread takes their batches off the training thread (on CUDA, torch's
         # pin-memory thread does). Without workers, reading a sample seeds the global RNGs: no thread then.
         self._background_batches = device.type == "cpu" and self.train_loader.num_workers > 0
-        self.eval_loader = None
-        if isinstance(eval_ds, IterableDataset):
-            self.eval_loader = stream_loader(StreamShard(eval_ds, cfg.seed, ctx.rank, ctx.world_size), cfg, device,
-                                             drop_last=False, seed=mix_seed(cfg.seed, 5, ctx.rank))
-        elif eval_ds is not None and len(eval_ds) > 0:
-            eval_sampler = ShardedEvalSampler(len(eval_ds), cfg.batch_size, ctx.rank, ctx.world_size)
-            self.eval_loader = make_loader(eval_ds, eval_sampler, cfg, device, seed=mix_seed(cfg.seed, 5, ctx.rank))
 
         # Model: identical init on every rank (DDP would broadcast rank 0's anyway), then the wrapper.
-        torch.manual_seed(cfg.seed)
-        if model is None:
-            model = build_model(cfg)
-        elif not isinstance(model, nn.Module):
-            model = model(cfg)
-        module = model.to(device)
-        if cfg.sync_batchnorm:
-            module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
-        if cfg.channels_last:
-            module = module.to(memory_format=torch.channels_last)
-        self.module = module
+        self.module = module = instantiate(cfg, model, device)
         fp16 = cfg.use_amp and cfg.amp_dtype == "fp16"
         self.autocast = lambda: torch.autocast(device.type, torch.float16 if fp16 else torch.bfloat16,  # noqa: E731
                                                enabled=cfg.use_amp)
         # Counted before the per-rank RNG streams start: reading a sample may draw augmentation randomness.
-        self.flops_per_sample = self._count_flops(train_ds) if ctx.is_main else 0.0
+        self.flops_per_sample = perf.task_flops_per_sample(module, self.task, train_ds, device) if ctx.is_main else 0.0
         self.parallel = DataParallel(module, cfg, ctx)
         self.model = self.parallel.model
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -373,27 +318,8 @@ class Trainer:
             return
         self.watchdog.phase("checkpoint")
         self.parallel.sync_buffers()
-        self.checkpoints.save(Position(**vars(self.position)), self._snapshot, self._rank_state())
+        self.checkpoints.save(Position(**vars(self.position)), lambda: snapshot(self), rank_state(self))
         self._last_save_time = time.monotonic()
-
-    def _rank_state(self) -> dict[str, Any]:
-        """What differs between ranks and a checkpoint gathers from each: RNG streams, the unlogged metric window,
-        a stream's position."""
-        state = {**rng_state(self.ctx.device), "window": self.window.state_dict()}
-        if self.stream is not None:
-            state["stream"] = self.stream_position.state_dict()
-        return state
-
-    def _snapshot(self) -> Snapshot:
-        return Snapshot(
-            position=Position(**vars(self.position)),
-            model=self.parallel.state_dict(),
-            optimizer=self.optimizer.state_dict(),
-            trainer={"scheduler": self.scheduler.state_dict(),
-                     "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                     "window": self.window.state_dict()},
-            config=self.cfg.to_dict(),
-        )
 
     def _resume(self) -> None:
         """Restore the newest usable checkpoint (or --resume_from). All ranks."""
@@ -406,70 +332,8 @@ class Trainer:
             loaded = self.checkpoints.resume(self.cfg.resume_from, self.module.state_dict(),
                                              continue_line=self.cfg.auto_resume)
         if loaded is not None:
-            self._apply(loaded)
+            restore(self, loaded)
         self.checkpoints.start_line(loaded)
-
-    def _apply(self, loaded: Loaded) -> None:
-        saved, pos = loaded.position, self.position
-        saved_optimizer = loaded.manifest["config"].get("optimizer", self.cfg.optimizer)
-        if saved_optimizer != self.cfg.optimizer:
-            raise UsageError(f"--optimizer {self.cfg.optimizer}: {loaded.path} holds {saved_optimizer} state; "
-                             f"resume with --optimizer {saved_optimizer}, or start fresh (--no-auto_resume or "
-                             "another --run_dir)")
-        self.module.load_state_dict(loaded.model)
-        # The config decides the hyperparameters (momentum, betas, weight decay, ...): the checkpoint only
-        # supplies the optimizer's state. A changed value is said once.
-        configured = [{k: v for k, v in group.items() if k not in ("params", "lr")}
-                      for group in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(loaded.optimizer)
-        self._optimizer_stepped = bool(self.optimizer.state)
-        for group, wanted in zip(self.optimizer.param_groups, configured):
-            changed = {k: (group.get(k), v) for k, v in wanted.items() if group.get(k) != v and k != "initial_lr"}
-            if changed and self.ctx.is_main and group is self.optimizer.param_groups[0]:
-                log.warning("resume: the config overrides the checkpoint's optimizer settings: %s",
-                            ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
-            group.update(wanted)
-        self.scheduler.load_state_dict(loaded.trainer["scheduler"])
-        self.scheduler.base_lrs = [self.peak_lr] * len(self.optimizer.param_groups)  # the config decides
-        for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
-            group["lr"] = self.peak_lr * factor(self.scheduler.last_epoch)
-        if self.scaler is not None and loaded.trainer["scaler"] is not None:
-            self.scaler.load_state_dict(loaded.trainer["scaler"])
-        self._restore_window(loaded.trainer["rng"], saved.world_size)
-        pos.step, pos.epoch, pos.cursor = saved.step, saved.epoch, saved.cursor
-        self._first_step = saved.step
-        self.checkpoints.last_saved_step = saved.step
-        if saved.global_batch_size != pos.global_batch_size:
-            log.warning("global batch changed on resume: %d -> %d; the data order continues at sample %d of "
-                        "epoch %d, but steps are no longer comparable with the original run",
-                        saved.global_batch_size, pos.global_batch_size, saved.cursor, saved.epoch)
-        rngs = loaded.trainer["rng"]
-        saved_stream = rngs[min(self.ctx.rank, len(rngs) - 1)].get("stream")
-        if (saved_stream is None) != (self.stream is None):
-            kinds = ("an IterableDataset", "a map-style dataset")
-            saved_kind, this_kind = (kinds[1], kinds[0]) if saved_stream is None else kinds
-            raise UsageError(f"{loaded.path} was saved from {saved_kind}; this run's is {this_kind}: start fresh "
-                             "(--no-auto_resume or another --run_dir)")
-        if self.stream is not None:
-            self.stream_position.load_state_dict(saved_stream, self.ctx.world_size, self.cfg.num_workers)
-        if saved.world_size == self.ctx.world_size:
-            set_rng_state(rngs[self.ctx.rank], self.ctx.device)
-        else:
-            log.warning("world size changed on resume: %d -> %d; data order continues sample-exactly, per-rank "
-                        "RNG streams (dropout) are reseeded", saved.world_size, self.ctx.world_size)
-            seed_rank_rngs(mix_seed(self.cfg.seed, saved.step), self.ctx.rank)
-
-    def _restore_window(self, ranks: list[dict[str, Any]], saved_world: int) -> None:
-        """Each rank's own unlogged sums; on another world size rank 0 takes them all (the totals stay right)."""
-        windows = [r["window"] for r in ranks if "window" in r]
-        if len(windows) != len(ranks):
-            return  # a checkpoint from before per-rank windows: its one window was rank 0's
-        if saved_world == self.ctx.world_size:
-            self.window.load_state_dict(windows[self.ctx.rank])
-        elif self.ctx.is_main:
-            total = {key: sum(w[key] for w in windows) for key in ("loss", "count", "bad_loss")}
-            total["bad_steps"] = torch.stack([w["bad_steps"] for w in windows]).any(dim=0)
-            self.window.load_state_dict({**total, "steps": windows[0]["steps"]})
 
     # --- metrics ---------------------------------------------------------------------------------
     def _log_train(self, bar: ProgressBar) -> None:
@@ -486,17 +350,6 @@ class Trainer:
                             f"{ranks or 'none'}); stopping as --on_nonfinite stop asks")
 
     # --- the end ---------------------------------------------------------------------------------
-    def _count_flops(self, dataset: Any) -> float:
-        try:
-            batch = to_device(collate([dataset[0]]), self.ctx.device)
-            flops = perf.train_flops(self.module, lambda: self.task.loss(self.module, batch))
-            log.info("model: %.3g parameters, %.3g training FLOPs per sample",
-                     sum(p.numel() for p in self.module.parameters()), flops)
-            return flops
-        except Exception as exc:  # an exotic plug-in model: MFU is a nicety, never a reason to fail
-            log.warning("FLOP count unavailable (%s: %s); no MFU will be reported", type(exc).__name__, exc)
-            return 0.0
-
     def _export_weights(self) -> None:
         if self.ctx.is_main:
             write_atomic(self.run_dir / "model.safetensors",

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import resource
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+log = logging.getLogger("ddptrain")
 
 # Dense bf16/fp16 tensor-core peaks in TFLOP/s per device (vendor datasheets, SXM parts where both exist).
 PEAK_TFLOPS = {
@@ -61,3 +64,18 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def task_flops_per_sample(module: nn.Module, task: Any, dataset: Any, device: torch.device) -> float:
+    """`train_flops` of the task's forward on the dataset's first sample; 0.0 (no MFU) if that fails."""
+    from ddptrain.batch import collate, to_device
+
+    try:
+        batch = to_device(collate([dataset[0]]), device)
+        flops = train_flops(module, lambda: task.loss(module, batch))
+        log.info("model: %.3g parameters, %.3g training FLOPs per sample",
+                 sum(p.numel() for p in module.parameters()), flops)
+        return flops
+    except Exception as exc:  # an exotic plug-in model, or a stream without indexing: MFU is a nicety
+        log.warning("FLOP count unavailable (%s: %s); no MFU will be reported", type(exc).__name__, exc)
+        return 0.0

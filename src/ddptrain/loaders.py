@@ -1,0 +1,57 @@
+"""Which loaders a run reads through: map-style datasets through the global-order sampler, iterable ones as
+partitioned streams (streams.py); the eval split sharded so that each sample is read once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from ddptrain.config import TrainConfig
+from ddptrain.data import BatchLayout, GlobalOrderSampler, ShardedEvalSampler, make_loader, mix_seed
+from ddptrain.distributed import DistributedContext
+from ddptrain.errors import UsageError
+from ddptrain.streams import StreamPosition, StreamShard, readers_per_rank, stream_loader
+
+
+@dataclass
+class Loaders:
+    train: DataLoader
+    eval: DataLoader | None
+    sampler: GlobalOrderSampler | None  # map-style: set its position before each epoch
+    stream: StreamShard | None  # iterable: this rank's share of the stream, and its position
+    stream_position: StreamPosition | None
+    num_train: int | None  # samples of a map-style training set
+    steps_per_epoch: int | None
+
+
+def build_loaders(cfg: TrainConfig, ctx: DistributedContext, layout: BatchLayout, train_ds: Any,
+                  eval_ds: Any) -> Loaders:
+    device = ctx.device
+    train_seed, eval_seed = mix_seed(cfg.seed, 4, ctx.rank), mix_seed(cfg.seed, 5, ctx.rank)
+    if isinstance(eval_ds, IterableDataset):
+        eval_loader = stream_loader(StreamShard(eval_ds, cfg.seed, ctx.rank, ctx.world_size), cfg, device,
+                                    drop_last=False, seed=eval_seed)
+    elif eval_ds is not None and len(eval_ds) > 0:
+        eval_sampler = ShardedEvalSampler(len(eval_ds), cfg.batch_size, ctx.rank, ctx.world_size)
+        eval_loader = make_loader(eval_ds, eval_sampler, cfg, device, seed=eval_seed)
+    else:
+        eval_loader = None
+    if isinstance(train_ds, IterableDataset):
+        if not cfg.max_steps:
+            raise UsageError("the training dataset is an IterableDataset (a stream without a length): pass "
+                             "--max_steps to say how long to train")
+        stream = StreamShard(train_ds, cfg.seed, ctx.rank, ctx.world_size)
+        position = StreamPosition(ctx.world_size * readers_per_rank(cfg.num_workers), ctx.rank, cfg.num_workers)
+        return Loaders(stream_loader(stream, cfg, device, drop_last=True, seed=train_seed), eval_loader, None,
+                       stream, position, None, None)
+    num_train = len(train_ds)
+    steps_per_epoch = layout.steps_per_epoch(num_train)
+    if steps_per_epoch == 0:
+        raise UsageError(f"--batch_size {cfg.batch_size} x {ctx.world_size} processes x --grad_accum_steps "
+                         f"{cfg.grad_accum_steps} = {layout.global_batch_size} exceeds the {num_train} training "
+                         "samples; lower one of them")
+    sampler = GlobalOrderSampler(num_train, layout, ctx.rank, cfg.seed)
+    return Loaders(make_loader(train_ds, sampler, cfg, device, seed=train_seed), eval_loader, sampler, None, None,
+                   num_train, steps_per_epoch)
