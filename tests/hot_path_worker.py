@@ -70,7 +70,7 @@ class HostReadCounter:
 
 def live_settings(trainer: Trainer) -> dict[str, Any]:
     """The settings that keep a step cheap, read off the objects the Trainer built."""
-    ddp, loader = trainer.ddp, trainer.train_loader
+    ddp, loader = trainer.parallel.ddp, trainer.train_loader
     return {"fused": trainer.optimizer.defaults.get("fused"), "optimizer": type(trainer.optimizer).__name__,
             "gradient_as_bucket_view": ddp.gradient_as_bucket_view, "static_graph": ddp.static_graph,
             "bucket_bytes_cap": ddp.bucket_bytes_cap, "num_workers": loader.num_workers,
@@ -93,7 +93,8 @@ def trace_zero_grad(trainer: Trainer) -> list[tuple[int, int]]:
 
 
 class DeviceMoves:
-    """The `non_blocking` argument of every Tensor.to that Trainer.train_step calls while active."""
+    """The `non_blocking` argument of every Tensor.to that moves a training batch (ddptrain.batch.to_device,
+    called from Trainer.train_step) while active."""
 
     def __init__(self) -> None:
         self.active = False
@@ -102,8 +103,13 @@ class DeviceMoves:
 
     def __enter__(self) -> DeviceMoves:
         def to(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            caller = sys._getframe(1).f_code
-            if self.active and caller.co_name == "train_step" and caller.co_filename.endswith("trainer.py"):
+            frame = sys._getframe(1)
+            moved_by_batch = frame.f_code.co_filename.endswith("batch.py")
+            while frame is not None and frame.f_code.co_filename.endswith("batch.py"):
+                frame = frame.f_back  # to_device recurses through the batch's structure
+            caller = frame.f_code if frame is not None else None
+            if (self.active and moved_by_batch and caller is not None and caller.co_name == "train_step"
+                    and caller.co_filename.endswith("trainer.py")):
                 self.non_blocking.append(kwargs.get("non_blocking", False))
             return self._original(tensor, *args, **kwargs)
 

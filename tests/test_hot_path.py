@@ -33,7 +33,7 @@ def worker_result(tmp_path_factory) -> dict:
     """tests/hot_path_worker.py's OUT.json from one real 2-process run with CONV."""
     tmp_path = tmp_path_factory.mktemp("hot_path")
     out = tmp_path / "reads.json"
-    env = cli_env({"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])})
+    env = cli_env({"PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), str(REPO / "tests")])})
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(REPO / "tests" / "hot_path_worker.py"), str(out), *TINY, *CONV, "--run_dir",
                            str(tmp_path / "run")], capture_output=True, text=True, env=env, cwd=REPO, timeout=180)
