@@ -185,3 +185,11 @@ def test_lr_warning_once_when_the_global_batch_differs_and_lr_is_not_scaled(tmp_
 def test_shipped_configs_train_at_the_batch_their_lr_was_tuned_for(name: str):
     cfg = resolve_config(["--config", str(Path(__file__).parents[1] / "configs" / f"{name}.toml")], validate=False)
     assert cfg.nproc * cfg.batch_size * cfg.grad_accum_steps == cfg.base_batch_size, "no linear scaling warning"
+
+
+def test_defaults_are_the_seed_articles_except_amp():
+    """The seed article's defaults, kept (docs/configuration.md lists the one difference and its reason)."""
+    cfg = TrainConfig()
+    assert (cfg.batch_size, cfg.lr, cfg.weight_decay, cfg.num_workers) == (64, 0.01, 1e-4, 4)
+    assert cfg.use_amp is False  # the seed's is on: fp32 exactness, the peers' default, CPU-dependent speed
+

@@ -5,7 +5,8 @@ A task is any object with `loss(model, batch) -> (loss, metrics)`:
 - `loss` is the scalar that backward runs on (a mean over the batch);
 - `metrics` is `{name: (sum, count)}` of tensors. Distributed eval all-reduces sums and counts and reports
   sum / count, so an eval metric is exact over the whole eval set, however it is split across ranks — never
-  an average of per-rank averages. Include `"loss"` as a sum over the batch's items.
+  an average of per-rank averages. Include `"loss"` as a sum over the batch's items. Metrics are read at
+  eval only (the module in eval mode); a task may return {} while `model.training`, as the built-ins do.
 
 Optional: `unit` ("samples" or "tokens": what `count(batch)` counts, for throughput), `count(batch)`
 (default: the leading size of the first tensor), and `report(means) -> {name: value}` for metrics derived
@@ -80,6 +81,8 @@ class Classification:
         inputs, targets = batch
         logits = model(inputs)
         loss = F.cross_entropy(logits, targets)
+        if model.training:
+            return loss, {}  # metrics are read at eval only: no extra kernels in the training step
         logits, n = logits.detach(), _total(targets)
         metrics = {"loss": (_sum_of_mean(loss, n), n), "accuracy": ((logits.argmax(dim=1) == targets).sum(), n)}
         if self.top_k > 1:
@@ -105,6 +108,8 @@ class Regression:
         if outputs.shape != targets.shape:
             outputs = outputs.reshape(targets.shape)  # (batch, 1) predictions of (batch,) targets
         loss = F.mse_loss(outputs, targets)
+        if model.training:
+            return loss, {}
         error, n = (outputs.detach().float() - targets.float()), _total(targets)
         squared = error.square().sum()
         return loss, {"loss": (squared, n), "mse": (squared, n), "mae": (error.abs().sum(), n)}
@@ -128,6 +133,8 @@ class LanguageModel:
         logits = model(inputs)
         flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         loss = F.cross_entropy(flat_logits, flat_targets)
+        if model.training:
+            return loss, {}
         n = _total(flat_targets)
         return loss, {"loss": (_sum_of_mean(loss, n), n)}
 
