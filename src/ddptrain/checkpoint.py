@@ -11,6 +11,10 @@ Layout of one checkpoint, ``checkpoints/step-<N>/``::
 Rank 0 writes every file (DDP keeps model and optimizer identical on all ranks; the other ranks' RNG
 states are gathered to it), so the commit is one rename on one host. All ranks then agree on the outcome
 before anyone moves on: a failure anywhere makes every rank raise the same error (checkpoint_manager.py).
+
+Under --strategy fsdp/hsdp no rank holds the whole model: model and optimizer state are `shards/` (DCP,
+each rank writing its own, see shards.py) instead of model.safetensors and optimizer.pt; the manifest says
+``"layout": "sharded"`` and lists every shard file's digest, and is written only after every rank reported.
 """
 
 from __future__ import annotations
@@ -67,20 +71,32 @@ class Snapshot:
     trainer: dict[str, Any]  # scheduler, scaler, log window; "rng" (list by rank) is added here
     config: dict[str, Any]
     origin: str = ""  # see CheckpointManager.origin
+    shards: dict[str, Any] | None = None  # sharded layout: this rank's part of model and optimizer (shards.py)
 
 
 @dataclass
 class Loaded:
+    """A verified checkpoint: whole `model` and `optimizer` state dicts, or (sharded layout) `shards`, the
+    DCP metadata that `shards.load_into` reads the tensors through, onto whatever layout the run has."""
+
     path: Path
     manifest: dict[str, Any]
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
+    model: dict[str, torch.Tensor] | None
+    optimizer: dict[str, Any] | None
     trainer: dict[str, Any]
+    shards: Any = None  # torch.distributed.checkpoint.metadata.Metadata of a sharded checkpoint
 
     @property
     def position(self) -> Position:
         m = self.manifest
         return Position(m["step"], m["epoch"], m["cursor"], m["global_batch_size"], m["world_size"])
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every model tensor, without reading a sharded checkpoint's tensors."""
+        if self.model is not None:
+            return {k: tuple(v.shape) for k, v in self.model.items()}
+        return {k[len("model."):]: tuple(v.size) for k, v in self.shards.state_dict_metadata.items()
+                if k.startswith("model.") and hasattr(v, "size")}
 
 
 # --- files ---------------------------------------------------------------------------------------
@@ -164,10 +180,7 @@ def versions() -> dict[str, str]:
 def write_checkpoint(directory: Path, snap: Snapshot, injector: FaultInjector | None = None) -> Path:
     """Write and commit `snap` as directory/step-N. Rank 0 only. Raises on any failure, leaving no manifest."""
     step = snap.position.step
-    target = directory / f"step-{step}"
-    if target.exists():  # a partial leftover of a crash (committed ones are never rewritten)
-        shutil.rmtree(target)
-    target.mkdir(parents=True)
+    target = prepare_step_dir(directory, step)
     payloads = {
         "model.safetensors": safetensors_bytes(snap.model, metadata={"step": str(step)}),
         "optimizer.pt": _torch_bytes(snap.optimizer),
@@ -177,32 +190,69 @@ def write_checkpoint(directory: Path, snap: Snapshot, injector: FaultInjector | 
     for name, data in payloads.items():
         write_atomic(target / name, data)
         files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    commit(directory, snap, files, injector)
+    return target
+
+
+def commit(directory: Path, snap: Snapshot, files: dict[str, dict[str, Any]],
+           injector: FaultInjector | None = None, layout: str = "full") -> None:
+    """Write step-N's manifest (the commit) once every file in `files` (name -> sha256, size) is on disk."""
+    step, pos = snap.position.step, snap.position
+    target = directory / f"step-{step}"
     if injector is not None:
         injector.during_save(step)
-    pos = snap.position
     manifest = {
         "format": FORMAT, "step": step, "epoch": pos.epoch, "cursor": pos.cursor,
         "global_batch_size": pos.global_batch_size, "world_size": pos.world_size,
         "created": time.time(), "versions": versions(), "config": snap.config, "files": files,
-        "origin": snap.origin,
+        "origin": snap.origin, "layout": layout,
     }
     write_atomic(target / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     _fsync_dir(target)
     _fsync_dir(directory)
     if injector is not None:
         injector.after_commit(step, target)
+
+
+def prepare_step_dir(directory: Path, step: int) -> Path:
+    """An empty step-N directory (a partial leftover of a crash is removed: committed ones never are)."""
+    target = directory / f"step-{step}"
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
     return target
 
 
-def _read_verified(path: Path, entry: dict[str, Any]) -> bytes:
+def file_digest(path: Path) -> dict[str, Any]:
+    """sha256 and size of a file, read in chunks (shard files can be large)."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"sha256": digest.hexdigest(), "size": size}
+
+
+def _read_verified(path: Path, entry: dict[str, Any], name: str = "") -> bytes:
+    name = name or path.name
     if not path.is_file():
-        raise CheckpointError(f"{path.name} is missing")
+        raise CheckpointError(f"{name} is missing")
     data = path.read_bytes()
     if len(data) != entry["size"]:
-        raise CheckpointError(f"{path.name} has {len(data)} bytes, manifest says {entry['size']} (truncated?)")
+        raise CheckpointError(f"{name} has {len(data)} bytes, manifest says {entry['size']} (truncated?)")
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise CheckpointError(f"{path.name} fails its sha256 check (corrupted)")
+        raise CheckpointError(f"{name} fails its sha256 check (corrupted)")
     return data
+
+
+def _verify_file(path: Path, entry: dict[str, Any], name: str) -> None:
+    if not path.is_file():
+        raise CheckpointError(f"{name} is missing")
+    found = file_digest(path)
+    if found["size"] != entry["size"]:
+        raise CheckpointError(f"{name} has {found['size']} bytes, manifest says {entry['size']} (truncated?)")
+    if found["sha256"] != entry["sha256"]:
+        raise CheckpointError(f"{name} fails its sha256 check (corrupted)")
 
 
 def _safe_torch_load(data: bytes, name: str, device: torch.device) -> Any:
@@ -220,8 +270,13 @@ def _safe_torch_load(data: bytes, name: str, device: torch.device) -> Any:
         raise CheckpointError(f"{name} refused by the safe loader: {why}") from None
 
 
-def read_checkpoint(path: Path, device: torch.device) -> Loaded:
-    """Verify every file against the manifest and deserialize without executing code from the files."""
+def read_checkpoint(path: Path, device: torch.device, share: tuple[int, int] = (0, 1)) -> Loaded:
+    """Verify every file against the manifest and deserialize without executing code from the files.
+
+    A sharded checkpoint's tensors stay on disk (`Loaded.shards`); its small files are verified here, and of
+    its shard files the `share` = (rank, world size) part: each rank hashes its share, and the caller
+    agrees on the outcome, so together they verified every byte before any rank reads one.
+    """
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError("no manifest.json: the checkpoint never committed")
@@ -232,6 +287,10 @@ def read_checkpoint(path: Path, device: torch.device) -> Loaded:
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"manifest format {manifest.get('format')!r} is not {FORMAT!r}")
     files = manifest["files"]
+    if manifest.get("layout", "full") == "sharded":
+        from ddptrain import shards
+
+        return shards.read_verified(path, manifest, share)  # shards.py imports this module
     for name in ("model.safetensors", "optimizer.pt", "trainer.pt"):
         if name not in files:
             raise CheckpointError(f"manifest lists no {name}")

@@ -6,6 +6,7 @@ Methods marked "all ranks" are collective. The files themselves are checkpoint.p
 
 from __future__ import annotations
 
+import datetime
 import logging
 import shutil
 import threading
@@ -16,8 +17,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ddptrain import shards
 from ddptrain.checkpoint import (ABANDONED, MANIFEST, STEP_DIR, CheckpointError, Loaded, Position, Snapshot,
-                                 cpu_copy, committed_steps, read_checkpoint, read_origin, write_checkpoint)
+                                 _torch_bytes, commit, committed_steps, cpu_copy, file_digest, prepare_step_dir,
+                                 read_checkpoint, read_origin, write_atomic, write_checkpoint)
 from ddptrain.distributed import DistributedContext
 from ddptrain.errors import TrainingError, UsageError
 from ddptrain.faults import FaultInjector
@@ -29,9 +32,10 @@ class CheckpointManager:
     """Saves and resumes through committed directories. Methods marked 'all ranks' are collective."""
 
     def __init__(self, ctx: DistributedContext, directory: Path, keep_last: int, async_save: bool,
-                 timeout_s: float, injector: FaultInjector | None = None):
+                 timeout_s: float, injector: FaultInjector | None = None, sharded: bool = False):
         self.ctx, self.directory, self.keep_last, self.timeout_s = ctx, directory, keep_last, timeout_s
-        self.async_save, self.injector = async_save, injector
+        self.async_save, self.injector, self.sharded = async_save, injector, sharded
+        self._group: dist.ProcessGroup | None = None
         self._thread: threading.Thread | None = None
         self._async_error: str | None = None
         self._staging: Any = None  # the last async save's CPU copy: its memory is reused by the next one
@@ -47,6 +51,8 @@ class CheckpointManager:
         self.wait()  # one save in flight at most; also surfaces a failed background write
         gathered: list[Any] = [None] * self.ctx.world_size
         dist.all_gather_object(gathered, rng_state, group=self.ctx.control_group)
+        if self.sharded:
+            return self._save_sharded(position, make_snapshot, gathered)
         error = None
         if self.ctx.is_main:
             try:
@@ -66,6 +72,74 @@ class CheckpointManager:
                 error = f"{type(exc).__name__}: {exc}"
         self.last_saved_step = position.step
         self._agree(error, position.step)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The gloo group sharded saves and loads plan over, apart from the training thread's groups (an async
+        save's collectives run in the background). Created on first use, which is on all ranks."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        return self._group
+
+    def _save_sharded(self, position: Position, make_snapshot: Callable[[], Snapshot], rng: list[Any]) -> None:
+        """Every rank writes its shards (DCP); rank 0 commits once all reported theirs written. All ranks."""
+        error = None
+        if self.ctx.is_main:
+            try:
+                prepare_step_dir(self.directory, position.step)
+            except OSError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        self._agree(self.ctx.broadcast_object(error), position.step)  # also: nobody writes into a dir being cleaned
+        snap = make_snapshot()
+        snap.trainer = {**snap.trainer, "rng": rng}
+        snap.origin = self.origin
+        target = self.directory / f"step-{position.step}"
+        error = None
+        try:
+            written = shards.save(target, snap.shards, self.group, self.async_save)
+        except Exception as exc:  # DCP's collective save raises the same error on every rank
+            written, error = None, f"{type(exc).__name__}: {exc}"
+        if written is not None and self.async_save:
+            def commit_in_background() -> None:
+                self._async_error = self._commit_shards(written, snap, target)
+
+            self._thread = threading.Thread(target=commit_in_background, name="ddptrain-checkpoint-commit",
+                                            daemon=True)
+            self._thread.start()
+        elif written is not None:
+            error = self._commit_shards(written, snap, target)
+        self.last_saved_step = position.step
+        self._agree(error, position.step)
+
+    def _commit_shards(self, written: Any, snap: Snapshot, target: Path) -> str | None:
+        """Each rank hashes its own files once written and reports to rank 0, which writes trainer.pt and the
+        manifest only if every rank succeeded. All ranks; returns rank 0's verdict (None on the others)."""
+        started = time.perf_counter()
+        try:
+            written.result()
+            report: Any = shards.own_files(target, self.ctx.rank)
+        except Exception as exc:
+            report = f"{type(exc).__name__}: {exc}"
+        reports: list[Any] = [None] * self.ctx.world_size
+        dist.gather_object(report, reports if self.ctx.is_main else None, dst=0, group=self.group)
+        if not self.ctx.is_main:
+            return None
+        failed = [f"rank {r} ({self.ctx.hosts[r]}): {why}" for r, why in enumerate(reports) if isinstance(why, str)]
+        try:
+            if failed:
+                raise RuntimeError(failed[0])
+            files = {name: digest for report in reports for name, digest in report.items()}
+            write_atomic(target / "trainer.pt", _torch_bytes(snap.trainer))
+            files["trainer.pt"] = file_digest(target / "trainer.pt")
+            commit(self.directory, snap, files, self.injector, layout="sharded")
+        except Exception as exc:
+            message = str(exc) if failed else f"{type(exc).__name__}: {exc}"
+            log.error("checkpoint of step %d not committed: %s", snap.position.step, message)
+            return message
+        log.info("checkpoint committed: %s (%d shard files, %.2f s)", target, len(files) - 1,
+                 time.perf_counter() - started)
+        self.purge(keep_step=snap.position.step)
+        return None
 
     def wait(self) -> None:
         """Block until a background save has finished; raise its error on every rank. All ranks."""
@@ -185,8 +259,8 @@ class CheckpointManager:
         for path in candidates:
             loaded, reason = None, None
             try:
-                loaded = read_checkpoint(path, self.ctx.device)
-                _check_fits(loaded.model, model_state)
+                loaded = read_checkpoint(path, self.ctx.device, share=(self.ctx.rank, self.ctx.world_size))
+                _check_fits(loaded.weight_shapes(), model_state)
             except CheckpointError as exc:
                 reason = str(exc)
             except Exception as exc:  # I/O errors and the like: still a reason, not a crash
@@ -211,13 +285,13 @@ class CheckpointManager:
         return None
 
 
-def _check_fits(saved: dict[str, torch.Tensor], current: dict[str, torch.Tensor]) -> None:
+def _check_fits(saved: dict[str, tuple[int, ...]], current: dict[str, torch.Tensor]) -> None:
     missing = sorted(set(current) - set(saved))
     extra = sorted(set(saved) - set(current))
     if missing or extra:
         raise CheckpointError(f"model weights do not match this --model (missing {missing[:3]}, "
                               f"unexpected {extra[:3]})")
     for key, tensor in current.items():
-        if tuple(saved[key].shape) != tuple(tensor.shape):
-            raise CheckpointError(f"model weight {key} has shape {tuple(saved[key].shape)}, this model "
+        if saved[key] != tuple(tensor.shape):
+            raise CheckpointError(f"model weight {key} has shape {saved[key]}, this model "
                                   f"needs {tuple(tensor.shape)}")

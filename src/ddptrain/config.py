@@ -102,6 +102,12 @@ class TrainConfig:
                                       group="distributed")
     hang_timeout_s: float = opt(600.0, "watchdog: a rank with no progress for this long dumps its stacks and "
                                 "fails the job (0 = off)", min=0.0, group="distributed")
+    strategy: str = opt("ddp", "how the model is spread: ddp = a full replica per rank; fsdp = parameters, "
+                        "gradients and optimizer state sharded over all ranks (FSDP2); hsdp = sharded within "
+                        "a node, replicated across nodes", choices=("ddp", "fsdp", "hsdp"), group="distributed")
+    fsdp_blocks: str = opt("", "fsdp/hsdp: the module classes sharded as one unit each, comma-separated class "
+                           "names, or 'pkg.mod:fn' returning the modules (default: the model's fsdp_blocks)",
+                           group="distributed")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB", min=0.0, group="distributed")
     static_graph: bool = opt(False, "tell DDP the graph is the same every step (not with --grad_accum_steps > 1)",
                              group="distributed")
@@ -182,6 +188,13 @@ class TrainConfig:
             # worst outcome, so the option is for CUDA only.
             raise UsageError("--channels_last is for CUDA: on CPU, oneDNN's channels_last convolution backward "
                              "can return wrong gradients (oneDNN#6035); drop the flag")
+        if self.strategy != "ddp":
+            for flag, value, why in (("amp_dtype fp16", self.use_amp and self.amp_dtype == "fp16",
+                                      "use --amp_dtype bf16 (FSDP's policy: bf16 compute, fp32 reduction)"),
+                                     ("static_graph", self.static_graph, "it is a DDP setting; drop it"),
+                                     ("sync_batchnorm", self.sync_batchnorm, "it is a DDP setting; drop it")):
+                if value:
+                    raise UsageError(f"--{flag} does not apply to --strategy {self.strategy}: {why}")
         if self.static_graph and self.grad_accum_steps > 1:
             # DDP's static graph counts one gradient-ready hook per parameter per iteration; no_sync's
             # extra backward passes break that count (a torch internal assert, reproduced on 2.13).

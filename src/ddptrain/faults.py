@@ -101,9 +101,12 @@ class FaultInjector:
             self._fire(f"checkpoint write of step {step}")
 
     def after_commit(self, step: int, ckpt_dir: Path) -> None:
-        """kind=corrupt-checkpoint: flip one byte in the middle of the committed model file."""
+        """kind=corrupt-checkpoint: flip one byte in the middle of the committed model file (a sharded
+        checkpoint: of rank 0's shard file)."""
         if self.spec is not None and self.spec.kind == "corrupt-checkpoint" and self.spec.step == step:
             target = ckpt_dir / "model.safetensors"
+            if not target.exists():
+                target = ckpt_dir / "shards" / "__0_0.distcp"
             with open(target, "r+b") as fh:
                 fh.seek(target.stat().st_size // 2)
                 byte = fh.read(1)

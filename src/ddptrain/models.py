@@ -42,6 +42,8 @@ class BasicBlock(nn.Module):
 class MiniResNet(nn.Module):
     """The seed article's model: a 3x3 stem, 3 stages x 2 residual blocks (64/128/256), pool, linear."""
 
+    fsdp_blocks = (BasicBlock,)  # what --strategy fsdp shards (and gathers) as one unit
+
     def __init__(self, in_channels: int = 3, num_classes: int = 10, width: int = 64, norm: str = "batch"):
         super().__init__()
         widths = (width, 2 * width, 4 * width)
@@ -62,6 +64,8 @@ class MiniResNet(nn.Module):
 
 class MLP(nn.Module):
     """A small BatchNorm-free classifier: flatten, one hidden layer. Fast, and exact across world sizes."""
+
+    fsdp_blocks = (nn.Linear,)
 
     def __init__(self, in_features: int, num_classes: int, hidden: int = 64):
         super().__init__()
@@ -96,6 +100,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A small GPT-style decoder: token + learned position embeddings, pre-norm causal blocks, a final norm,
     and an output layer tied to the token embedding. `forward(tokens)` -> (batch, length, vocab) logits."""
+
+    fsdp_blocks = (Block,)  # the tied embedding/output matrix stays with the root unit
 
     def __init__(self, vocab_size: int, seq_len: int, width: int, num_layers: int, num_heads: int):
         super().__init__()

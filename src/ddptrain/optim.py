@@ -10,12 +10,14 @@ from torch import nn
 from ddptrain.config import TrainConfig
 
 
-def build_optimizer(cfg: TrainConfig, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """SGD (the seed's default) or AdamW, fused: one kernel per step and an on-device skip (`found_inf`)."""
+def build_optimizer(cfg: TrainConfig, params: list[nn.Parameter], lr: float,
+                    fused: bool = True) -> torch.optim.Optimizer:
+    """SGD (the seed's default) or AdamW. Fused: one kernel per step and an on-device skip (`found_inf`);
+    sharded (DTensor) parameters take the foreach implementation, which has a sharded form."""
+    kernel = {"fused": True} if fused else {"foreach": True}
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=True)
-    return torch.optim.AdamW(params, lr=lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay,
-                             fused=True)
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kernel)
+    return torch.optim.AdamW(params, lr=lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay, **kernel)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:

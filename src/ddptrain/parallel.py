@@ -1,8 +1,9 @@
-"""How the model is replicated and kept in sync: DistributedDataParallel over the job's ranks.
+"""How the model is spread over the job's ranks: DistributedDataParallel (a full replica per rank) or FSDP2
+(parameters, gradients and optimizer state sharded; `hsdp` shards within a node and replicates across nodes).
 
-The loop asks this object three things — the module to call, a context that skips gradient
-communication on accumulation micro-steps, and one model's state for eval and checkpoints — so a
-different strategy is a different object with the same methods, not branches in the loop.
+The loop asks this object a few things — the module to call, a context that skips gradient communication
+on accumulation micro-steps, one model's state for eval and export, the memory it holds — so a strategy is
+an object with the same methods, not branches in the loop. `build_parallel` picks it from --strategy.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddptrain.config import TrainConfig
+from ddptrain.config import TrainConfig, load_plugin
 from ddptrain.distributed import DistributedContext
-from ddptrain.errors import TrainingError
+from ddptrain.errors import TrainingError, UsageError
 
 log = logging.getLogger("ddptrain")
 
@@ -27,6 +28,7 @@ class DataParallel:
     by bucketed all-reduces during backward."""
 
     name = "ddp"
+    sharded = False
     communicating_phase = "backward+all-reduce"  # the watchdog's name for the last micro-step's backward
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, ctx: DistributedContext):
@@ -55,12 +57,15 @@ class DataParallel:
         one rank 0 saves. Training is unchanged, since the next forward would broadcast the same values.
         """
         if self.ddp is not None:
-            for buffer in self.module.buffers():
-                dist.broadcast(buffer, src=0)
+            _broadcast_buffers(self.module)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state, as rank 0 checkpoints and exports it (call `sync_buffers` first)."""
+        """The whole model's state, as rank 0 checkpoints and exports it (call `sync_buffers` first). All ranks."""
         return self.module.state_dict()
+
+    def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this rank holds of parameters, gradients and optimizer state."""
+        return _memory(self.module, optimizer)
 
     @torch.no_grad()
     def check_replicas(self) -> None:
@@ -69,15 +74,141 @@ class DataParallel:
         A fingerprint per parameter (sum and sum of squares in float64) is gathered on the control group.
         Must be called on all ranks.
         """
-        if self.ctx.world_size == 1:
-            return
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        prints = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()])
-                              for _, p in named]).flatten().cpu()
-        gathered = self.ctx.gather_floats(prints.tolist())
-        for rank, theirs in enumerate(gathered[1:], start=1):
-            if theirs != gathered[0]:
-                first = next(i for i, (a, b) in enumerate(zip(theirs, gathered[0])) if a != b) // 2
-                raise TrainingError(f"replicas diverged: rank {rank} ({self.ctx.hosts[rank]}) differs from rank 0 "
-                                    f"in parameter {named[first][0]}")
-        log.info("replicas identical across %d ranks (%d parameter tensors)", self.ctx.world_size, len(named))
+        if self.ctx.world_size > 1:
+            _check_replicas(self.module, self.ctx, [0] * self.ctx.world_size)
+
+
+class ShardedParallel:
+    """FSDP2 (`fully_shard`): each rank keeps 1/N of every parameter, its gradient and its optimizer state.
+
+    Every block (--fsdp_blocks, else the model's `fsdp_blocks` classes) is one unit: its parameters are
+    all-gathered before its forward and backward and freed after; its gradients are reduce-scattered. The
+    root unit holds what no block does (embeddings, heads). Under `hsdp` the mesh is (nodes, ranks per node):
+    shards live within a node and each node holds a replica, so only an all-reduce of shards crosses nodes.
+    Parameters are DTensors: the optimizer is the foreach one (the fused kernels have no sharded form).
+    """
+
+    sharded = True
+    communicating_phase = "backward+reduce-scatter"
+
+    def __init__(self, module: nn.Module, cfg: TrainConfig, ctx: DistributedContext):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.module, self.ctx, self.name = module, ctx, cfg.strategy
+        nodes = ctx.world_size // ctx.local_world_size if cfg.strategy == "hsdp" else 1
+        if cfg.strategy == "hsdp" and (ctx.world_size % ctx.local_world_size or nodes < 2):
+            raise UsageError(f"--strategy hsdp needs several nodes with the same number of ranks each (world "
+                             f"size {ctx.world_size}, {ctx.local_world_size} per node); use --strategy fsdp on "
+                             "one node")
+        shape = (nodes, ctx.world_size // nodes) if nodes > 1 else (ctx.world_size,)
+        names = ("replicate", "shard") if nodes > 1 else ("shard",)
+        self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+        # --use_amp: compute in bf16 (parameters gathered as bf16), reduce gradients and keep shards in fp32.
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                       output_dtype=torch.float32) if cfg.use_amp else MixedPrecisionPolicy())
+        blocks = fsdp_blocks(module, cfg.fsdp_blocks)
+        if not blocks and ctx.is_main:
+            log.warning("--strategy %s: the model names no blocks (an `fsdp_blocks` attribute or --fsdp_blocks), "
+                        "so it is one unit: memory is sharded at rest but gathered whole for every forward",
+                        cfg.strategy)
+        for block in blocks:
+            fully_shard(block, mesh=self.mesh, mp_policy=policy)
+        fully_shard(module, mesh=self.mesh, mp_policy=policy)
+        self.units = len(blocks) + 1
+        self.model: nn.Module = torch.compile(module) if cfg.compile else module
+        log.debug("%s over mesh %s: %d units", cfg.strategy, tuple(shape), self.units)
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
+        """Gradients reduce-scatter on the `last` micro-step only; before it they accumulate unsharded."""
+        self.module.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers on every rank (FSDP shards parameters only: each rank's BatchNorm statistics are
+        its own batches'). All ranks."""
+        if self.ctx.world_size > 1:
+            _broadcast_buffers(self.module)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model, gathered onto rank 0's CPU (other ranks get {}). All ranks."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        return _memory(self.module, optimizer)
+
+    @torch.no_grad()
+    def check_replicas(self) -> None:
+        """Under hsdp each node holds a replica of the shards: prove they are identical. (fsdp has none.)"""
+        if self.mesh.ndim == 2:
+            _check_replicas(self.module, self.ctx, [r % self.mesh.size(1) for r in range(self.ctx.world_size)])
+
+
+def build_parallel(module: nn.Module, cfg: TrainConfig, ctx: DistributedContext) -> DataParallel | ShardedParallel:
+    return DataParallel(module, cfg, ctx) if cfg.strategy == "ddp" else ShardedParallel(module, cfg, ctx)
+
+
+def fsdp_blocks(module: nn.Module, spec: str) -> list[nn.Module]:
+    """The modules sharded as one unit each, outermost first and never one inside another.
+
+    `spec` is --fsdp_blocks: class names ("Block,Expert"), or 'pkg.mod:fn' with fn(model) -> modules. Empty:
+    the model's own `fsdp_blocks` (classes, or a method returning the modules).
+    """
+    if ":" in spec:
+        chosen = list(load_plugin(spec, "--fsdp_blocks")(module))
+    else:
+        names = {n.strip() for n in spec.split(",") if n.strip()}
+        declared = getattr(module, "fsdp_blocks", ())
+        if callable(declared) and not names:
+            chosen = list(declared())
+        else:
+            wanted = (lambda m: type(m).__name__ in names) if names else (lambda m: isinstance(m, tuple(declared)))
+            chosen = [m for m in module.modules() if m is not module and wanted(m)]
+            if names and not chosen:
+                present = sorted({type(m).__name__ for m in module.modules()})
+                raise UsageError(f"--fsdp_blocks {spec}: the model has no module of that class; it has "
+                                 f"{', '.join(present)}")
+    inside = {id(sub) for block in chosen for sub in block.modules() if sub is not block}
+    return [block for block in chosen if id(block) not in inside]
+
+
+def _broadcast_buffers(module: nn.Module) -> None:
+    for buffer in module.buffers():
+        dist.broadcast(buffer, src=0)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _memory(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    def size(t: torch.Tensor) -> int:
+        return _local(t).numel() * t.element_size()
+
+    params = list(module.parameters())
+    return {"param_bytes": sum(size(p) for p in params),
+            "grad_bytes": sum(size(p.grad) for p in params if p.grad is not None),
+            "optimizer_bytes": sum(size(v) for state in optimizer.state.values() for v in state.values()
+                                   if isinstance(v, torch.Tensor))}
+
+
+def _check_replicas(module: nn.Module, ctx: DistributedContext, replica_of: list[int]) -> None:
+    """Ranks holding the same part of the model (`replica_of[rank]` equal) hold it bitwise identically.
+
+    A fingerprint per local parameter (sum and sum of squares in float64) is gathered on the control group.
+    Must be called on all ranks.
+    """
+    named = [(n, _local(p)) for n, p in module.named_parameters() if p.requires_grad]
+    prints = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()])
+                          for _, p in named]).flatten().cpu()
+    gathered = ctx.gather_floats(prints.tolist())
+    for rank, theirs in enumerate(gathered):
+        reference = replica_of.index(replica_of[rank])  # the lowest rank with the same part
+        if theirs != gathered[reference]:
+            first = next(i for i, (a, b) in enumerate(zip(theirs, gathered[reference])) if a != b) // 2
+            raise TrainingError(f"replicas diverged: rank {rank} ({ctx.hosts[rank]}) differs from rank {reference} "
+                                f"in parameter {named[first][0]}")
+    log.info("replicas identical across %d ranks (%d parameter tensors)", ctx.world_size, len(named))

@@ -38,7 +38,7 @@ from ddptrain.observe.profiler import StepProfiler
 from ddptrain.observe.train_log import Clock, TrainLog
 from ddptrain.observe.watchdog import Watchdog
 from ddptrain.optim import build_optimizer, build_scheduler, peak_lr
-from ddptrain.parallel import DataParallel
+from ddptrain.parallel import build_parallel
 from ddptrain.preempt import PREEMPTED_MARKER, StopSignals
 from ddptrain.trainer_state import rank_state, restore, snapshot
 from ddptrain.state import MetricWindow, seed_rank_rngs
@@ -74,11 +74,12 @@ class Trainer:
         # Model: identical init on every rank (DDP would broadcast rank 0's anyway), then the wrapper.
         self.module = module = instantiate(cfg, model, device)
         fp16 = cfg.use_amp and cfg.amp_dtype == "fp16"
+        # Under fsdp/hsdp, --use_amp is FSDP's mixed-precision policy instead (parallel.py).
         self.autocast = lambda: torch.autocast(device.type, torch.float16 if fp16 else torch.bfloat16,  # noqa: E731
-                                               enabled=cfg.use_amp)
+                                               enabled=cfg.use_amp and cfg.strategy == "ddp")
         # Counted before the per-rank RNG streams start: reading a sample may draw augmentation randomness.
         self.flops_per_sample = perf.task_flops_per_sample(module, self.task, train_ds, device) if ctx.is_main else 0.0
-        self.parallel = DataParallel(module, cfg, ctx)
+        self.parallel = build_parallel(module, cfg, ctx)
         self.model = self.parallel.model
         self.params = [p for p in module.parameters() if p.requires_grad]
 
@@ -89,7 +90,8 @@ class Trainer:
             log.warning("global batch %d differs from --base_batch_size %d, the batch --lr %g was tuned for: the "
                         "linear scaling rule (--scale_lr) would train at lr %g (x%g); training at %g",
                         self.layout.global_batch_size, cfg.base_batch_size, cfg.lr, cfg.lr * factor, factor, cfg.lr)
-        self.optimizer = build_optimizer(cfg, self.params, self.peak_lr)
+        self._fused = not self.parallel.sharded
+        self.optimizer = build_optimizer(cfg, self.params, self.peak_lr, fused=self._fused)
         self._optimizer_stepped = False  # whether the optimizer has state (see train_step)
         self.total_steps = cfg.max_steps if self.stream is not None else cfg.epochs * self.steps_per_epoch
         if cfg.max_steps:
@@ -103,7 +105,7 @@ class Trainer:
                                  world_size=ctx.world_size)
         self.injector = FaultInjector(cfg.inject_fault, ctx.rank)
         self.checkpoints = CheckpointManager(ctx, cfg.checkpoint_path, cfg.keep_last, cfg.async_checkpoint,
-                                             cfg.checkpoint_timeout_s, self.injector)
+                                             cfg.checkpoint_timeout_s, self.injector, sharded=self.parallel.sharded)
         self.watchdog = Watchdog(ctx, rank_log_path(run_dir, ctx.rank), cfg.hang_timeout_s,
                                  startup_timeout_s=cfg.init_timeout_s, checkpoint_timeout_s=cfg.checkpoint_timeout_s)
         self.profiler = StepProfiler(cfg.enable_profiling, run_dir, ctx.rank, cfg.profile_wait,
@@ -112,7 +114,7 @@ class Trainer:
         self._vote = LaggedVote(ctx)
         self.clock = Clock(device)
         self._module_started: Any = None
-        if self.parallel.ddp is not None and not cfg.compile:
+        if getattr(self.parallel, "ddp", None) is not None and not cfg.compile:
             # DDP broadcasts buffers (BatchNorm statistics) before the module runs, which waits for late
             # ranks: the straggler statistic times the module's own forward, from this hook on.
             module.register_forward_pre_hook(self._module_forward_started)
@@ -245,6 +247,8 @@ class Trainer:
                 self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
             grads = [p.grad for p in self.params if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()  # sharded gradients: the norm over every rank's shards
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(self.params, cfg.grad_clip, norm, foreach=True)
             # The gradients are averaged over ranks, so `norm` is identical on every rank: the non-finite
@@ -254,10 +258,11 @@ class Trainer:
                 if bool(bad):  # host sync, the price of stopping at the very step
                     self._stop_nonfinite([step])
                 self.optimizer.step()
-            elif not self._optimizer_stepped and bool(bad):
+            elif (not self._optimizer_stepped or not self._fused) and bool(bad):
                 # Before its first update a fused optimizer has no state: asked to skip, it would allocate
                 # momentum buffers uninitialised and never write them. So until the first update the skip is
                 # decided on the host (one sync per step until then, none after): the step never happened.
+                # The foreach optimizer of sharded parameters has no on-device skip: always decided here.
                 if self.scaler is not None:
                     self.scaler.update()  # lower the fp16 loss scale as after any overflow
             else:
@@ -265,7 +270,8 @@ class Trainer:
                     self.scaler.step(self.optimizer)  # GradScaler hands found_inf to the fused kernel
                     self.scaler.update()
                 else:
-                    self.optimizer.found_inf = bad.float()  # the fused kernel skips the update on device
+                    if self._fused:
+                        self.optimizer.found_inf = bad.float()  # the fused kernel skips the update on device
                     self.optimizer.step()
                 self._optimizer_stepped = True
         spans.append(("optimizer", start, self.clock.now()))
@@ -351,9 +357,10 @@ class Trainer:
 
     # --- the end ---------------------------------------------------------------------------------
     def _export_weights(self) -> None:
+        state = self.parallel.state_dict()  # sharded: gathered onto rank 0 (a collective)
         if self.ctx.is_main:
             write_atomic(self.run_dir / "model.safetensors",
-                         safetensors_bytes(self.parallel.state_dict(), metadata={"step": str(self.position.step)}))
+                         safetensors_bytes(state, metadata={"step": str(self.position.step)}))
 
     def close(self) -> None:
         """Stop the loaders' worker processes now. Safe to call twice; a later `fit` would start new ones.

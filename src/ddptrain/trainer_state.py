@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ddptrain import shards
 from ddptrain.checkpoint import Loaded, Position, Snapshot
 from ddptrain.data import mix_seed
 from ddptrain.errors import UsageError
@@ -29,15 +30,18 @@ def rank_state(t: Trainer) -> dict[str, Any]:
 
 
 def snapshot(t: Trainer) -> Snapshot:
-    """Everything rank 0 writes: position, model, optimizer, schedule, scaler, config."""
-    return Snapshot(
-        position=Position(**vars(t.position)),
-        model=t.parallel.state_dict(),
-        optimizer=t.optimizer.state_dict(),
-        trainer={"scheduler": t.scheduler.state_dict(),
-                 "scaler": t.scaler.state_dict() if t.scaler is not None else None},
-        config=t.cfg.to_dict(),
-    )
+    """Everything a checkpoint holds: position, model, optimizer, schedule, scaler, config. Rank 0 only, or
+    all ranks when sharded: each then contributes its shards of model and optimizer."""
+    trainer = {"scheduler": t.scheduler.state_dict(), "scaler": t.scaler.state_dict() if t.scaler is not None else None}
+    position, config = Position(**vars(t.position)), t.cfg.to_dict()
+    if t.parallel.sharded:
+        state, trainer["param_groups"] = shards.state_to_save(t.module, t.optimizer)
+        return Snapshot(position, None, None, trainer, config, shards=state)
+    return Snapshot(position, t.parallel.state_dict(), t.optimizer.state_dict(), trainer, config)
+
+
+# Settings of how an update is computed, not of what it computes (the strategy chooses fused or foreach).
+_IMPLEMENTATION = ("initial_lr", "foreach", "fused", "capturable", "differentiable")
 
 
 def restore(t: Trainer, loaded: Loaded) -> None:
@@ -49,15 +53,15 @@ def restore(t: Trainer, loaded: Loaded) -> None:
         raise UsageError(f"--optimizer {t.cfg.optimizer}: {loaded.path} holds {saved_optimizer} state; "
                          f"resume with --optimizer {saved_optimizer}, or start fresh (--no-auto_resume or "
                          "another --run_dir)")
-    t.module.load_state_dict(loaded.model)
     # The config decides the hyperparameters (momentum, betas, weight decay, ...): the checkpoint only
     # supplies the optimizer's state. A changed value is said once.
     configured = [{k: v for k, v in group.items() if k not in ("params", "lr")}
                   for group in t.optimizer.param_groups]
-    t.optimizer.load_state_dict(loaded.optimizer)
+    shards.load_into(t.module, t.optimizer, loaded, t.parallel.sharded, t.checkpoints.group)
     t._optimizer_stepped = bool(t.optimizer.state)
     for group, wanted in zip(t.optimizer.param_groups, configured):
-        changed = {k: (group.get(k), v) for k, v in wanted.items() if group.get(k) != v and k != "initial_lr"}
+        changed = {k: (group.get(k), v) for k, v in wanted.items()
+                   if group.get(k) != v and k not in _IMPLEMENTATION}
         if changed and t.ctx.is_main and group is t.optimizer.param_groups[0]:
             log.warning("resume: the config overrides the checkpoint's optimizer settings: %s",
                         ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))

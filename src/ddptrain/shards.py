@@ -1,0 +1,204 @@
+"""Sharded checkpoints (--strategy fsdp/hsdp): model and optimizer state written by every rank with
+torch.distributed.checkpoint (DCP) into ``step-N/shards/``, read back onto any number of ranks under any
+strategy.
+
+Layout of a sharded ``checkpoints/step-<N>/``::
+
+    shards/.metadata       DCP's index: which byte ranges of which file hold which slice of which tensor
+    shards/__R_I.distcp    the tensor slices rank R wrote (model under ``model.``, optimizer ``optim.state.``)
+    trainer.pt             as in a full checkpoint, plus the optimizer's param_groups (no tensors)
+    manifest.json          written by rank 0 last, after every rank reported its files written and hashed
+
+Only tensors go into the shards. DCP's index is a pickle, so nothing in it is unpickled before its digest
+matched the manifest, and even then only through an unpickler that knows DCP's own metadata classes and
+nothing else: a checkpoint cannot run code. A non-tensor entry (which DCP would torch.load without
+weights_only) is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import re
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from ddptrain.checkpoint import (CheckpointError, Loaded, _read_verified, _safe_torch_load, _verify_file,
+                                 file_digest)
+
+SHARDS = "shards"
+METADATA = f"{SHARDS}/.metadata"
+log = logging.getLogger("ddptrain")
+
+# What DCP's own .metadata pickle references (torch 2.6 - 2.13), and nothing else.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+     ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                     torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"{METADATA} refused: it references {module}.{name}, which DCP's index never needs")
+
+
+def parse_metadata(data: bytes) -> Metadata:
+    """DCP's index from verified bytes, through the restricted unpickler."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{METADATA} does not parse: {type(exc).__name__}: {exc}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{METADATA} holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+def read_verified(path: Path, manifest: dict[str, Any], share: tuple[int, int]) -> Loaded:
+    """checkpoint.read_checkpoint for the sharded layout: trainer.pt and the index on every rank, the shard
+    files `rank, world = share` hashes (every world-th), nothing of the tensors read yet."""
+    files = manifest["files"]
+    for name in ("trainer.pt", METADATA):
+        if name not in files:
+            raise CheckpointError(f"manifest lists no {name}")
+    rank, world = share
+    shard_files = sorted(name for name in files if name.startswith(f"{SHARDS}/") and name != METADATA)
+    for name in shard_files[rank::world]:
+        _verify_file(path / name, files[name], name)
+    metadata = parse_metadata(_read_verified(path / METADATA, files[METADATA], METADATA))
+    trainer = _safe_torch_load(_read_verified(path / "trainer.pt", files["trainer.pt"]), "trainer.pt",
+                               torch.device("cpu"))
+    return Loaded(path=path, manifest=manifest, model=None, optimizer=None, trainer=trainer, shards=metadata)
+
+
+class _VerifiedReader(FileSystemReader):
+    """Reads shards through an index already verified and parsed: DCP's own reader would pickle.load it."""
+
+    def __init__(self, path: Path, metadata: Metadata):
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if getattr(self._metadata, "storage_meta", None) is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    """Our shards hold tensors only (read with weights_only); an object entry would be a full unpickle."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raise CheckpointError(f"{SHARDS}: {read_item.dest_index.fqn} is a pickled object where ddptrain writes "
+                              "only tensors; refused")
+
+
+# --- saving -------------------------------------------------------------------------------------
+
+def state_to_save(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[Any]]:
+    """(what the shards hold, the optimizer's param_groups for trainer.pt). Sharded tensors stay sharded.
+    All ranks."""
+    model = get_model_state_dict(module)
+    if not optimizer.state:  # no update yet: DCP's helper would take a zero-gradient step to create state
+        return {"model": model}, []
+    optim = get_optimizer_state_dict(module, optimizer)
+    return {"model": model, "optim": {"state": optim["state"]}}, optim["param_groups"]
+
+
+def save(target: Path, state: dict[str, Any], group: dist.ProcessGroup | None, async_save: bool) -> Future:
+    """Write this rank's shards of `state` into target/shards. All ranks (DCP plans the save collectively).
+
+    The future completes when this rank's files are written (and, on rank 0, the index); `async_save` copies
+    the state to CPU memory now and writes in a background thread.
+    """
+    writer = FileSystemWriter(target / SHARDS, single_file_per_rank=True, sync_files=True)
+    if async_save:
+        return dcp.async_save(state, storage_writer=writer, process_group=group)
+    done: Future = Future()
+    done.set_result(dcp.save(state, storage_writer=writer, process_group=group))
+    return done
+
+
+def own_files(target: Path, rank: int) -> dict[str, dict[str, Any]]:
+    """Digests of the shard files `rank` wrote (rank 0: also the index), keyed as the manifest lists them."""
+    mine = re.compile(rf"^__{rank}_\d+\.distcp$")
+    names = [p.name for p in (target / SHARDS).iterdir() if mine.match(p.name)]
+    if rank == 0:
+        names.append(".metadata")
+    return {f"{SHARDS}/{name}": file_digest(target / SHARDS / name) for name in sorted(names)}
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+def load_into(module: nn.Module, optimizer: torch.optim.Optimizer, loaded: Loaded, sharded_run: bool,
+              group: dist.ProcessGroup | None) -> None:
+    """Put a checkpoint's model and optimizer state into this run's, whatever the layouts. All ranks.
+
+    full -> ddp: plain load_state_dict. full -> fsdp: every rank shards the whole tensors it read. sharded
+    -> any: DCP reads, for each rank, exactly the slices its own tensors cover (resharding to any world size;
+    a ddp rank's tensors are whole).
+    """
+    if loaded.shards is None and not sharded_run:
+        module.load_state_dict(loaded.model)
+        optimizer.load_state_dict(loaded.optimizer)
+        return
+    if loaded.shards is None:
+        whole = StateDictOptions(full_state_dict=True)
+        # Each tensor is a scatter from rank 0, so every rank must go in the same order: the module's (a
+        # safetensors file's dict comes in an order of its own in each process).
+        set_model_state_dict(module, {name: loaded.model[name] for name in module.state_dict()}, options=whole)
+        if loaded.optimizer["state"]:
+            set_optimizer_state_dict(module, optimizer, _keyed_by_name(module, optimizer, loaded.optimizer),
+                                     options=whole)
+        return
+    has_optimizer = any(key.startswith("optim.") for key in loaded.shards.state_dict_metadata)
+    model_state = get_model_state_dict(module)
+    state: dict[str, Any] = {"model": model_state}
+    if has_optimizer:
+        state["optim"] = {"state": get_optimizer_state_dict(module, optimizer)["state"]}
+    dcp.load(state, storage_reader=_VerifiedReader(loaded.path / SHARDS, loaded.shards),
+             planner=_TensorsOnlyPlanner(), process_group=group)
+    set_model_state_dict(module, model_state)
+    if has_optimizer:
+        set_optimizer_state_dict(module, optimizer, {"state": state["optim"]["state"],
+                                                     "param_groups": loaded.trainer["param_groups"]})
+
+
+def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """torch's optimizer.state_dict() numbers parameters in param_groups order; DCP's helpers name them."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {order[i]: value for i, value in saved["state"].items()},
+            "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
+                             for group in saved["param_groups"]]}
+
+
+def consolidate(loaded: Loaded) -> dict[str, torch.Tensor]:
+    """The whole model of a sharded checkpoint, in this one process (for `ddptrain export`)."""
+    model = {name: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for name, meta in ((k[len("model."):], v) for k, v in loaded.shards.state_dict_metadata.items()
+                                if k.startswith("model."))
+             if isinstance(meta, TensorStorageMetadata)}
+    dcp.load({"model": model}, storage_reader=_VerifiedReader(loaded.path / SHARDS, loaded.shards),
+             planner=_TensorsOnlyPlanner(), no_dist=True)
+    return model
