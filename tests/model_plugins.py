@@ -24,3 +24,8 @@ class TiedMLP(nn.Module):
 
 def tied_mlp(cfg):
     return TiedMLP(cfg.in_channels * cfg.image_size ** 2, cfg.width, cfg.num_classes)
+
+
+def first_linear(model: nn.Module) -> list[nn.Module]:
+    """--fsdp_blocks model_plugins:first_linear: the built-in MLP's first layer as its one FSDP unit."""
+    return [model.net[1]]

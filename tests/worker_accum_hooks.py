@@ -1,12 +1,13 @@
-"""A training worker that trains with the real Trainer while counting DDP's gradient communication.
+"""A training worker that trains with the real Trainer while counting its gradient communication: DDP's
+all-reduces, or under --strategy fsdp/hsdp the reduce-scatters of every FSDP unit.
 
 Run under torchrun with 2 processes:
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/worker_accum_hooks.py OUT.json \
         [ddptrain train flags]
 
-It registers a communication hook on the trainer's DDP wrapper (the stock all-reduce, plus a counter) and
-runs `Trainer.fit()` unchanged. The train loader is wrapped only to count the micro-batches taken, so
+It registers a communication hook on the trainer's DDP wrapper (the stock all-reduce, plus a counter), or
+gives each FSDP unit the stock reduce-scatter plus a counter, and runs `Trainer.fit()` unchanged. The train loader is wrapped only to count the micro-batches taken, so
 each hook call can be attributed to the micro-step whose backward pass triggered it. Rank 0 writes OUT.json.
 """
 
@@ -53,7 +54,20 @@ def main(argv: list[str]) -> None:
             micro_of_call.append(counter.taken - 1)
             return default_hooks.allreduce_hook(state, bucket)
 
-        trainer.parallel.ddp.register_comm_hook(None, counting_allreduce)
+        if trainer.parallel.sharded:
+            from torch.distributed.fsdp import FSDPModule
+            from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+            class CountingReduceScatter(DefaultReduceScatter):
+                def __call__(self, *args, **kwargs):
+                    micro_of_call.append(counter.taken - 1)
+                    return super().__call__(*args, **kwargs)
+
+            for unit in trainer.module.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_custom_reduce_scatter(CountingReduceScatter())
+        else:
+            trainer.parallel.ddp.register_comm_hook(None, counting_allreduce)
         summary = trainer.fit()
         if ctx.is_main:
             out.write_text(json.dumps({"world_size": ctx.world_size, "micro_batches": counter.taken,

@@ -12,6 +12,7 @@ from torch import nn
 
 from ddptrain.batch import to_device
 from ddptrain.distributed import DistributedContext
+from ddptrain.errors import UsageError
 from ddptrain.tasks import Task, first_tensor
 
 log = logging.getLogger("ddptrain")
@@ -21,9 +22,11 @@ class Evaluator:
     """Each eval sample is read by one rank (`ShardedEvalSampler`); sums and counts are all-reduced."""
 
     def __init__(self, ctx: DistributedContext, loader: Iterable | None, task: Task, autocast: Any,
-                 channels_last: bool):
+                 channels_last: bool, lockstep: bool = False):
         self.ctx, self.loader, self.task = ctx, loader, task
         self.autocast, self.channels_last = autocast, channels_last
+        # Sharded models gather parameters in every forward: all ranks must run as many forwards.
+        self.lockstep = lockstep and ctx.world_size > 1
 
     @torch.no_grad()
     def evaluate(self, module: nn.Module, heartbeat: Any = None) -> dict[str, float]:
@@ -31,14 +34,24 @@ class Evaluator:
         `tokens` and `tokens_per_sec`. {} without an eval set. Must be called on all ranks.
 
         Runs the unwrapped module: ranks may hold different numbers of eval batches, and DDP's forward would
-        start collectives a rank with fewer batches never joins.
+        start collectives a rank with fewer batches never joins. A sharded module cannot run without them:
+        in `lockstep` a rank with fewer batches repeats its last one, uncounted, until all have run as many.
         """
         started = time.perf_counter()
         sums: dict[str, list[torch.Tensor]] = {}
         items, units = 0, 0
+        loader: Iterable = self.loader if self.loader is not None else ()
+        if self.lockstep and not hasattr(loader, "__len__"):
+            loader = list(loader)  # an iterable eval set: counted before the forwards that depend on it
+        own = len(loader) if self.lockstep else 0  # type: ignore[arg-type]
+        rounds, fewest = (int(v) for v in self.ctx.reduce_flags([own, -own])) if self.lockstep else (own, 0)
+        if -fewest == 0 < rounds:  # every rank knows, so every rank stops here
+            raise UsageError("a rank has no eval batch but its peers do, and a sharded model evaluates in "
+                             "lockstep: use an eval set of at least one sample per rank (--eval_size)")
+        batch = None
         module.eval()
         try:
-            for _, batch in self.loader if self.loader is not None else ():
+            for _, batch in loader:
                 if heartbeat is not None:
                     heartbeat()
                 batch = to_device(batch, self.ctx.device, self.channels_last)
@@ -51,6 +64,9 @@ class Evaluator:
                     acc[1] += count.double() if isinstance(count, torch.Tensor) else count
                 items += len(first_tensor(batch))
                 units += self.task.count(batch)
+            for _ in range(rounds - own):
+                with self.autocast():
+                    self.task.loss(module, batch)
         finally:
             module.train()
         # A rank with no eval batch has no metric names: agree on the union, in one order.

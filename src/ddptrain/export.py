@@ -3,7 +3,8 @@
 Writes OUT.safetensors (the model's state_dict: parameters and buffers, keys as `model.state_dict()`
 names them; metadata: format, step, epoch, model, source checkpoint) and OUT.json next to it (the run's
 resolved config, the keys of `ddptrain train`). The checkpoint is verified first: every file against its
-manifest's sha256 and size, and nothing is unpickled except through torch's weights-only loader.
+manifest's sha256 and size, and nothing is unpickled except through torch's weights-only loader. A sharded
+checkpoint (--strategy fsdp/hsdp) is consolidated: its shards, from any number of ranks, become whole tensors.
 CHECKPOINT_DIR may also be a run dir or its checkpoints/ dir: the newest committed checkpoint is used.
 """
 
@@ -59,7 +60,15 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"{checkpoint}: unusable checkpoint: {exc}") from None
 
     manifest = loaded.manifest
-    weights = loaded.model
+    if loaded.shards is not None:  # a sharded checkpoint: gathered into whole tensors here
+        from ddptrain.shards import consolidate
+
+        try:
+            weights = consolidate(loaded)
+        except CheckpointError as exc:
+            raise UsageError(f"{checkpoint}: unusable checkpoint: {exc}") from None
+    else:
+        weights = loaded.model
     metadata = {"format": FORMAT, "step": str(manifest["step"]), "epoch": str(manifest["epoch"]),
                 "model": str(manifest["config"].get("model", "")), "checkpoint": str(checkpoint.resolve())}
     config_path = out.with_suffix(".json")

@@ -123,7 +123,8 @@ class Trainer:
         self.window = MetricWindow(device, cfg.log_interval)
         self.train_log = TrainLog(ctx, self.sinks, self.clock, self.layout.global_batch_size, self.task.unit,
                                   self.flops_per_sample, self.peak_tflops, cfg.straggler_skew)
-        self.evaluator = Evaluator(ctx, self.eval_loader, self.task, self.autocast, cfg.channels_last)
+        self.evaluator = Evaluator(ctx, self.eval_loader, self.task, self.autocast, cfg.channels_last,
+                                   lockstep=self.parallel.sharded)
         self._sample_log = None
         if cfg.record_sample_ids:
             (run_dir / "samples").mkdir(parents=True, exist_ok=True)
@@ -190,6 +191,7 @@ class Trainer:
         if pos.step == 1 + self._first_step:
             # Tier two: the generous init timeout covered rendezvous and the first step.
             self.ctx.set_collective_timeout(cfg.collective_timeout_s)
+            self._report_memory()
         if pos.step % cfg.log_interval == 0:
             self._log_train(bar)
         self._between_steps()
@@ -348,6 +350,21 @@ class Trainer:
         self.train_log.write(self.window, pos.step, pos.epoch, self.total_steps, self.optimizer.param_groups[0]["lr"],
                              bar)
         self.window.reset()
+
+    def _report_memory(self) -> None:
+        """What each rank holds once every kind of state exists (after its first step): one metrics row."""
+        held = self.parallel.memory(self.optimizer)
+        device = self.ctx.device
+        held["peak_device_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+        ranks = self.ctx.gather_floats([float(v) for v in held.values()])
+        if self.sinks is None:
+            return
+        row = {key: [int(r[i]) for r in ranks] for i, key in enumerate(held)}
+        mib = [sum(r[:3]) / 2**20 for r in ranks]
+        log.info("memory (%s): parameters + gradients + optimizer state %s MiB per rank", self.cfg.strategy,
+                 " / ".join(f"{m:.2f}" for m in mib))
+        self.sinks.write({"time": time.time(), "step": self.position.step, "split": "memory",
+                          "strategy": self.cfg.strategy, **row})
 
     def _stop_nonfinite(self, steps: list[int]) -> None:
         local_bad = float(self.window.bad_loss)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ddptrain.errors import UsageError
 
-SPLITS = ("train", "eval")
+SPLITS = ("train", "eval", "memory")  # memory: what each rank holds, once per run start
 NUMERIC_SKIP = ("time", "step", "epoch")
 log = logging.getLogger("ddptrain")
 
