@@ -112,6 +112,50 @@ class CommCounter:
         return default_hooks.allreduce_hook(state, bucket)
 
 
+class CommTimer:
+    """A DDP communication hook that times what DDP all-reduces: per bucket, its bytes and the seconds from
+    the hook's call (the bucket is ready) to the all-reduce's completion, seen on the thread that completes it.
+
+    `skip=True` all-reduces nothing (each bucket is returned as it is, already complete): the same processes
+    then run the same steps without gradient communication, which measures the compute of N processes
+    sharing the machine. Must be registered on every rank alike (a skipping rank must not wait on others).
+    """
+
+    def __init__(self, skip: bool = False):
+        self.skip = skip
+        self.buckets: list[tuple[int, float, float]] = []  # (bytes, ready at, done at), perf_counter seconds
+
+    def hook(self, state, bucket):  # unannotated: DDP rejects annotations other than its own types
+        buffer = bucket.buffer()
+        ready = time.perf_counter()
+        if self.skip:
+            future: torch.futures.Future = torch.futures.Future()
+            future.set_result(buffer)
+            self.buckets.append((buffer.numel() * buffer.element_size(), ready, ready))
+            return future
+
+        def done(fut):
+            self.buckets.append((buffer.numel() * buffer.element_size(), ready, time.perf_counter()))
+            return fut.value()
+
+        return default_hooks.allreduce_hook(state, bucket).then(done)
+
+    def per_step(self, step_starts: list[float]) -> list[dict[str, float]]:
+        """For each interval between step boundaries: bytes all-reduced, bucket count, all-reduce seconds (each
+        bucket from when it was ready, or the previous one done, to its own completion: the backend runs them
+        one after another) and the span from the first bucket ready to the last one done."""
+        steps = []
+        for start, end in zip(step_starts, step_starts[1:]):
+            inside = sorted((b for b in self.buckets if start <= b[1] < end), key=lambda b: b[1])
+            busy, free_at = 0.0, 0.0
+            for _, ready, done in inside:
+                busy += done - max(ready, free_at)
+                free_at = done
+            steps.append({"bytes": sum(b[0] for b in inside), "buckets": len(inside), "all_reduce_s": busy,
+                          "span_s": inside[-1][2] - inside[0][1] if inside else 0.0})
+        return steps
+
+
 class SaveSchedule:
     """Saves after steps first, first + 2P, first + 4P, ..., alternately synchronous and asynchronous.
 

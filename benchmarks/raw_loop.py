@@ -1,6 +1,7 @@
 """The hand-written baseline: the loop a user writes with plain torch.distributed and no framework.
 
-DistributedSampler, DataLoader, DDP, torch's SGD with its default settings, cross-entropy; optionally
+DistributedSampler, DataLoader, DDP, torch's SGD with its default settings, and the loss written out by hand
+(`LOSSES`: cross-entropy of a classifier, or next-token cross-entropy of a language model); optionally
 autocast (bf16), channels_last, torch.compile and gradient accumulation — with `no_sync`, or the seed
 article's way, which all-reduces on every micro-step. It reads nothing back from the device per step: a
 competent loop is the fair opponent, so every ratio measures the framework, not a careless baseline. Its
@@ -21,8 +22,10 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+def classification_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs), targets)
+
+
+def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """A (batch, seq_len + 1) window: the model reads all but the last token and predicts each next one."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+LOSSES = {"classification": classification_loss, "language_model": next_token_loss}  # by ddptrain's --task
 
 
 class RawLoop:
@@ -41,16 +58,19 @@ class RawLoop:
     def __init__(self, model: nn.Module, dataset: Dataset, *, device: torch.device, batch_size: int,
                  num_workers: int, lr: float, momentum: float, weight_decay: float, seed: int,
                  grad_accum_steps: int = 1, sync_every_micro_step: bool = False, use_amp: bool = False,
-                 channels_last: bool = False, compile: bool = False):
+                 channels_last: bool = False, compile: bool = False, task: str = "classification",
+                 data_parallel: bool = False):
         self.device, self.accum, self.use_amp = device, grad_accum_steps, use_amp
+        self.loss_of = LOSSES[task]
         self.sync_every_micro_step, self.channels_last = sync_every_micro_step, channels_last
         model = model.to(device)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        # One process has nothing to all-reduce; ddptrain does not wrap it either.
+        # One process has nothing to all-reduce; ddptrain does not wrap it either. `data_parallel`: the seed
+        # explainer's nn.DataParallel instead, one process driving every visible GPU (batch_size is then global).
         self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else None
-        self.model: nn.Module = self.ddp if self.ddp is not None else model
+        self.model: nn.Module = self.ddp if self.ddp is not None else nn.DataParallel(model) if data_parallel else model
         if compile:
             self.model = torch.compile(self.model)
         self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
@@ -63,7 +83,7 @@ class RawLoop:
         self.micro = 0
         self._batches = None
 
-    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _next_batch(self) -> Any:
         if self._batches is None:
             self.sampler.set_epoch(self.epoch)
             self._batches = iter(self.loader)
@@ -77,19 +97,24 @@ class RawLoop:
         """Drop the epoch's batch iterator: its loader workers stop now, not at a later garbage collection."""
         self._batches = None
 
+    def _to_device(self, batch: Any) -> Any:
+        """A tensor (token windows) or an (inputs, targets) pair, on the device; images channels_last if asked."""
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
+        if self.channels_last and inputs.dim() == 4:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
+        return inputs, targets
+
     def step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         for micro in range(self.accum):
             self.micro = micro
-            inputs, targets = self._next_batch()
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            if self.channels_last and inputs.dim() == 4:
-                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            batch = self._to_device(self._next_batch())
             skip_sync = self.ddp is not None and micro < self.accum - 1 and not self.sync_every_micro_step
             with self.ddp.no_sync() if skip_sync else contextlib.nullcontext():
                 with torch.autocast(self.device.type, torch.bfloat16, enabled=self.use_amp):
-                    loss = F.cross_entropy(self.model(inputs), targets)
+                    loss = self.loss_of(self.model, batch)
                 (loss / self.accum).backward()
         self.optimizer.step()
 
@@ -120,28 +145,50 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dataset_size", type=int, default=10000)
     parser.add_argument("--num_workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--timed_steps", type=int, default=0, help="then time this many steps (after 2 warm-up "
+                        "steps) and write their seconds to --out as 'steps_s'")
+    parser.add_argument("--use_amp", action="store_true", help="bf16 autocast")
+    parser.add_argument("--data_parallel", action="store_true", help="one process, nn.DataParallel over every "
+                        "visible GPU, --batch_size per GPU (no torchrun)")
     args = parser.parse_args(argv)
+    if args.data_parallel and not torch.cuda.is_available():
+        print("--data_parallel needs CUDA devices: torch sees none", file=sys.stderr)
+        raise SystemExit(2)
 
     from ddptrain.data import SyntheticImages  # the same network and data as ddptrain trains
     from ddptrain.models import MLP, MiniResNet
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if not args.data_parallel:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     torch.manual_seed(42)
     model = (MiniResNet(3, 10, args.width) if args.model == "mini_resnet"
              else MLP(3 * args.image_size ** 2, 10, hidden=args.width))
     data = SyntheticImages(args.dataset_size, 10, 3, args.image_size, seed=42)
-    loop = RawLoop(model, data, device=device, batch_size=args.batch_size, num_workers=args.num_workers, lr=0.1,
-                   momentum=0.9, weight_decay=5e-4, seed=42)
+    gpus = torch.cuda.device_count() if args.data_parallel else 1
+    loop = RawLoop(model, data, device=device, batch_size=args.batch_size * gpus, num_workers=args.num_workers,
+                   lr=0.1, momentum=0.9, weight_decay=5e-4, seed=42, use_amp=args.use_amp,
+                   data_parallel=args.data_parallel)
     loop.run(1)
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps({"first_step_time": time.time()}))
+    main_rank = args.data_parallel or dist.get_rank() == 0
+    record: dict[str, Any] = {"first_step_time": time.time()}
+    if main_rank:
+        Path(args.out).write_text(json.dumps(record))
     if args.steps > 1:
         loop.run(args.steps - 1)
-    dist.destroy_process_group()
+    if args.timed_steps:
+        loop.run(2)
+        record["steps_s"], record["steps"] = loop.run(args.timed_steps), args.timed_steps
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        record["global_batch_size"] = args.batch_size * gpus * world
+        if main_rank:
+            Path(args.out).write_text(json.dumps(record))
+    loop.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ JOBS.json is a list of jobs, run one after another in the same process group; ea
                 wrappers' bucket all-reduces counted per micro-step by a communication hook;
 * checkpoint  — alternating synchronous and asynchronous saves on ddptrain's own save path;
 * timeline    — ddptrain alone: step boundary times and its metrics.jsonl; optionally an all-reduce
-                sweep first (bandwidth and latency for the scaling model);
+                sweep first (bandwidth and latency for the scaling model), and DDP's gradient all-reduces
+                timed per step by a communication hook ("comm": "time"), or skipped ("comm": "skip");
 * pair        — two Trainers (`argv` and `argv_b`, e.g. an option on and off) in the same processes,
                 alternating blocks of `Trainer.train_step` (options.py).
 
@@ -32,25 +33,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.probe import CommCounter, Interleave, SaveSchedule, StepProbe, Timeline
-from benchmarks.raw_loop import RawLoop, sync_device
+from benchmarks.probe import CommCounter, CommTimer, Interleave, SaveSchedule, StepProbe, Timeline
+from benchmarks.raw_loop import LOSSES, RawLoop, sync_device
 from ddptrain.config import TrainConfig, resolve_config
 from ddptrain.data import build_datasets
 from ddptrain.distributed import DistributedContext, distributed
 from ddptrain.models import build_model
 from ddptrain.observe.log import setup_logging
 from ddptrain.observe.metrics import read_metrics
+from ddptrain.plan import tensor_bytes_in_backward_order
 from ddptrain.trainer import Trainer
 
 
 def raw_loop_for(cfg: TrainConfig, ctx: DistributedContext, sync_every_micro_step: bool = False) -> RawLoop:
-    """The raw loop on the same model (same init), data, batch, loader workers and options as `cfg`."""
+    """The raw loop on the same model (same init), data, batch, loader workers, task and options as `cfg`."""
+    if cfg.task not in LOSSES:
+        raise ValueError(f"the raw loop has no hand-written loss for --task {cfg.task}; choose from {sorted(LOSSES)}")
     torch.manual_seed(cfg.seed)
     train, _ = build_datasets(cfg)
     return RawLoop(build_model(cfg), train, device=ctx.device, batch_size=cfg.batch_size,
                    num_workers=cfg.num_workers, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                    seed=cfg.seed, grad_accum_steps=cfg.grad_accum_steps, sync_every_micro_step=sync_every_micro_step,
-                   use_amp=cfg.use_amp, channels_last=cfg.channels_last, compile=cfg.compile)
+                   use_amp=cfg.use_amp, channels_last=cfg.channels_last, compile=cfg.compile, task=cfg.task)
 
 
 def all_reduce_sweep(ctx: DistributedContext, sizes: list[int], iters: int) -> list[dict[str, float]]:
@@ -151,6 +155,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
 
     trainer = Trainer(cfg, ctx, run_dir)
     result["grad_bytes"] = sum(p.numel() * p.element_size() for p in trainer.params)
+    result["grad_tensor_bytes"] = list(tensor_bytes_in_backward_order(trainer.module))
     mode = job["mode"]
     counters: dict[str, CommCounter] = {}
     spent: dict[str, list[float]] = {}
@@ -164,6 +169,11 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
     else:
         callback = Timeline(ctx.device)
     probe = StepProbe(trainer, callback)
+    comm_timer = CommTimer(skip=job["comm"] == "skip") if job.get("comm") else None
+    if comm_timer is not None and trainer.parallel.ddp is not None:
+        trainer.parallel.ddp.register_comm_hook(None, comm_timer.hook)
+        if comm_timer.skip:  # replicas differ by design here: the end-of-run equality check would fail the job
+            trainer.parallel.check_replicas = lambda: None
     if mode == "accumulate":
         counters["ddptrain"] = CommCounter(lambda: (probe.taken - 1) % cfg.grad_accum_steps)
         counters["raw"] = CommCounter(lambda: raw.micro)
@@ -184,6 +194,8 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
         result["checkpoint_bytes"] = _newest_checkpoint_bytes(cfg)
     else:
         result["step_s"] = callback.step_seconds()
+        if comm_timer is not None:
+            result["comm"] = comm_timer.per_step(callback.times)
         if job.get("handoff_probe"):
             result["handoff_s"] = handoff_seconds(trainer.train_loader)
     result["calls_s"] = {name: {"count": len(times), "median_s": statistics.median(times) if times else 0.0}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ from benchmarks.common import Row, paired_ratios, render_table
 from benchmarks.probe import Interleave, StepProbe
 from helpers import REPO
 
-SECTION_KEYS = {"overhead", "overhead_observed", "accumulation", "checkpoint", "data_synthetic", "data_cifar",
+SECTION_KEYS = {"overhead", "overhead_observed", "overhead_lm", "accumulation", "checkpoint", "data_synthetic", "data_cifar",
                 "startup", "scaling_miniresnet", "scaling_mlp"}
 
 
@@ -56,7 +57,7 @@ def test_every_section_reports_a_row_with_a_verdict(tiny_bench):
 
 def test_interleaved_comparisons_pair_every_block(tiny_bench):
     rows = rows_by_key(tiny_bench[0])
-    for key in ("overhead", "overhead_observed"):
+    for key in ("overhead", "overhead_observed", "overhead_lm"):
         data = rows[key]["data"]
         assert len(data["ours_s"]) == len(data["theirs_s"]) == len(data["ratios"]) + 1  # one warm-up pair
         assert all(t > 0 and math.isfinite(t) for t in data["ours_s"] + data["theirs_s"])
@@ -87,6 +88,27 @@ def test_data_startup_and_scaling_figures_are_well_formed(tiny_bench):
         data = rows[key]["data"]
         assert data["efficiency"] > 0
         assert 0 < data["plan"]["efficiency_no_overlap"] <= data["plan"]["efficiency"] <= 1
+        # The communication hook saw every gradient byte once per step, in the buckets the plan models.
+        assert data["bytes_per_step"] == data["grad_bytes"] and data["buckets_per_step"] == data["plan"]["num_buckets"]
+        assert data["measured_comm_s"] > 0 and all(t > 0 for t in data["step_s_2_no_comm"])
+        assert data["agreement"] == pytest.approx(statistics.median(data["step_s_2"]) /
+                                                  data["plan_2_process_compute"]["step_s"])
+
+
+def test_language_model_row_runs_the_lm_task_on_both_sides(tiny_bench):
+    row = rows_by_key(tiny_bench[0])["overhead_lm"]
+    assert row["target"] == ">= 0.97" and "tokens/s" in row["ddptrain"] and "tokens/s" in row["baseline"]
+    assert "next-token" in row["note"]
+
+
+def test_raw_loop_next_token_loss_matches_the_lm_task():
+    from benchmarks.raw_loop import next_token_loss
+    from ddptrain.models import GPT
+    from ddptrain.tasks import LanguageModel
+
+    torch.manual_seed(0)
+    model, tokens = GPT(32, 8, 16, 1, 2), torch.randint(0, 32, (3, 9))
+    assert torch.equal(next_token_loss(model, tokens), LanguageModel().loss(model, tokens)[0])
 
 
 # --- pieces, without processes -------------------------------------------------------------------------

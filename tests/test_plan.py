@@ -20,6 +20,53 @@ def test_bucket_sizes_follow_ddp_small_first_bucket_then_cap():
     assert plan.bucket_sizes(60 * MIB, 25 * MIB, first_bytes=25 * MIB) == [25 * MIB, 25 * MIB, 10 * MIB]
 
 
+def test_ddp_buckets_hold_whole_tensors_in_backward_order():
+    # A tensor larger than the open bucket's limit joins it: one 18 MB weight behind a small head = 1 bucket.
+    assert plan.ddp_bucket_sizes([61_000, 6_000, 18_874_368], 25 * MIB) == [18_941_368]
+    assert plan.ddp_bucket_sizes([MIB // 2, MIB // 2, 3 * MIB, 3 * MIB], 4 * MIB) == [MIB, 6 * MIB]
+    assert plan.ddp_bucket_sizes([MIB] * 3, 25 * MIB, first_bytes=0) == [3 * MIB]
+
+
+@pytest.mark.parametrize("model, cap_mb", [("mlp", 25.0), ("mini_resnet", 25.0), ("mini_resnet", 5.0),
+                                           ("mini_resnet", 0.05)])
+def test_ddp_buckets_match_what_ddp_all_reduces(tmp_path, model, cap_mb):
+    """The model's buckets against a real DDP's (one gloo process; a communication hook sees each bucket)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddptrain.models import build_model
+
+    cfg = TrainConfig(model=model, width=64, image_size=8)
+    seen: list[int] = []
+
+    def hook(state, bucket):
+        seen.append(bucket.buffer().numel() * bucket.buffer().element_size())
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        module = build_model(cfg)
+        ddp = DDP(module, bucket_cap_mb=cap_mb)
+        ddp.register_comm_hook(None, hook)
+        for _ in range(3):  # DDP rebuilds its buckets in the order gradients arrived after the first step
+            seen.clear()
+            ddp(torch.randn(4, 3, 8, 8)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+        for key in ("MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)
+    # Given a cap (as ddptrain always gives one), torch sizes DDP's first bucket like the others.
+    cap = int(cap_mb * MIB)
+    assert seen == plan.ddp_bucket_sizes(plan.tensor_bytes_in_backward_order(module), cap, first_bytes=cap)
+
+
 def test_ring_all_reduce_time_by_hand():
     # 2(N-1) alpha + (S/B) 2(N-1)/N with S = 25 MiB, N = 8, B = 10 GB/s, alpha = 10 us:
     # 14 * 10e-6 + 26214400 / 1e10 * 14 / 8 = 0.00014 + 0.0045875200 = 0.00472752

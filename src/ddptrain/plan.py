@@ -6,10 +6,16 @@ and the network's all-reduce bus bandwidth and latency (from `ddptrain doctor`, 
 * A ring all-reduce of S bytes over N ranks moves 2(N-1)/N * S bytes through each link and takes
   2(N-1) latency-bound hops: t(S) = 2(N-1)*alpha + (S/B) * 2(N-1)/N, with B the bus bandwidth (the
   doctor's busbw, which is defined so that this holds) and alpha the time of one hop.
-* DDP cuts the gradients into buckets (the first 1 MiB, then --bucket_cap_mb each) and all-reduces
-  each bucket as soon as the backward pass has produced it; buckets are reduced one after another.
-  Gradients appear at a uniform rate (bytes per second) during backward, so bucket i is ready at
-  t_bwd * (bytes up to and including i) / S. Communication that ends before backward ends is hidden;
+* DDP cuts the gradients into buckets of --bucket_cap_mb and all-reduces each bucket as soon as the
+  backward pass has produced it; buckets are reduced one after another. (DDP makes its first bucket
+  1 MiB only when it is given no cap; ddptrain always passes one, and torch then sizes the first
+  bucket like the others.)
+  A bucket holds whole parameter tensors, taken in the order backward produces them (the reverse of
+  the model's), and closes once it reaches its limit: a tensor larger than the limit lands in the open
+  bucket with everything before it. With the model's tensor sizes (`--run_dir`) the buckets are built
+  that way; from a byte count alone (`--grad_mib`) they are the limits themselves, as if tensors were
+  small. Gradients appear at a uniform rate (bytes per second) during backward, so bucket i is ready
+  at t_bwd * (bytes up to and including i) / S. Communication that ends before backward ends is hidden;
   the rest is exposed and adds to the step: step(N) = step(1) + max(0, end of last all-reduce - t_bwd).
 * Weak scaling: the per-device batch and so the per-device compute are the same at every N, and
   efficiency = step(1) / step(N) = throughput(N) / (N * throughput(1)).
@@ -50,6 +56,12 @@ class Workload:
     latency_s: float  # alpha: one hop of the ring
     bucket_cap_bytes: int = 25 * MIB
     first_bucket_bytes: int = FIRST_BUCKET_BYTES
+    tensor_bytes: tuple[int, ...] = ()  # gradient tensors in the order backward produces them; () = unknown
+
+    def buckets(self) -> list[int]:
+        if self.tensor_bytes:
+            return ddp_bucket_sizes(self.tensor_bytes, self.bucket_cap_bytes, self.first_bucket_bytes)
+        return bucket_sizes(self.grad_bytes, self.bucket_cap_bytes, self.first_bucket_bytes)
 
     @property
     def backward_s(self) -> float:
@@ -80,6 +92,21 @@ def bucket_sizes(grad_bytes: int, cap_bytes: int, first_bytes: int = FIRST_BUCKE
     return sizes
 
 
+def ddp_bucket_sizes(tensor_bytes: tuple[int, ...] | list[int], cap_bytes: int,
+                     first_bytes: int = FIRST_BUCKET_BYTES) -> list[int]:
+    """DDP's buckets (torch's _compute_bucket_assignment_by_size) over gradient tensors given in the order
+    backward produces them: a tensor joins the open bucket, which closes once it holds >= its limit (the
+    first limit `first_bytes`, then `cap_bytes`)."""
+    sizes, open_bytes = [], 0
+    limit = min(first_bytes, cap_bytes) if first_bytes > 0 else cap_bytes
+    for size in tensor_bytes:
+        open_bytes += size
+        if open_bytes >= limit:
+            sizes.append(open_bytes)
+            open_bytes, limit = 0, cap_bytes
+    return sizes + [open_bytes] if open_bytes else sizes
+
+
 def ring_all_reduce_s(num_bytes: int, world_size: int, busbw_bytes_per_s: float, latency_s: float) -> float:
     """t = 2(N-1)*alpha + (S/B) * 2(N-1)/N; zero for one rank."""
     if world_size <= 1:
@@ -92,7 +119,7 @@ def predict(work: Workload, world_size: int) -> Prediction:
     """Step time and efficiency at `world_size` devices (weak scaling)."""
     if world_size <= 1:
         return Prediction(1, 0, 0.0, 0.0, work.step_s, 1.0, work.step_s, 1.0)
-    sizes = bucket_sizes(work.grad_bytes, work.bucket_cap_bytes, work.first_bucket_bytes)
+    sizes = work.buckets()
     backward = work.backward_s
     done_bytes, end, comm = 0, 0.0, 0.0
     for size in sizes:
@@ -173,13 +200,23 @@ def compute_from_run(run_dir: Path) -> tuple[float, float | None, int]:
 
 def gradient_bytes(cfg) -> int:
     """Bytes of the trainable parameters of cfg's model (built on the meta device: no memory, no compute)."""
+    return sum(gradient_tensor_bytes(cfg))
+
+
+def gradient_tensor_bytes(cfg) -> tuple[int, ...]:
+    """Bytes of each trainable parameter of cfg's model (on the meta device), in the order backward produces
+    their gradients: the reverse of the model's (tied weights counted once, as DDP does)."""
     import torch
 
     from ddptrain.models import build_model
 
     with torch.device("meta"):
         model = build_model(cfg)
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return tensor_bytes_in_backward_order(model)
+
+
+def tensor_bytes_in_backward_order(model) -> tuple[int, ...]:
+    return tuple(p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad)
 
 
 # --- command line ------------------------------------------------------------------------------------
@@ -212,12 +249,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
     step_s = grad_bytes = backward = None
+    tensors: tuple[int, ...] = ()
     if args.run_dir:
         step_s, backward, grad_bytes = compute_from_run(Path(args.run_dir))
+        from ddptrain.config import TrainConfig, load_toml
+
+        tensors = gradient_tensor_bytes(TrainConfig(**load_toml(str(Path(args.run_dir) / "config.toml"))))
     if args.step_ms is not None:
         step_s = args.step_ms / 1000
     if args.grad_mib is not None:
-        grad_bytes = int(args.grad_mib * MIB)
+        grad_bytes, tensors = int(args.grad_mib * MIB), ()
     if args.backward_fraction is not None:
         backward = args.backward_fraction
     if step_s is None or grad_bytes is None:
@@ -244,7 +285,8 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     return Workload(step_s=step_s, backward_fraction=DEFAULT_BACKWARD_FRACTION if backward is None else backward,
                     grad_bytes=grad_bytes, busbw_bytes_per_s=busbw,
                     latency_s=10e-6 if latency is None else latency,
-                    bucket_cap_bytes=int(args.bucket_cap_mb * MIB))
+                    bucket_cap_bytes=int(args.bucket_cap_mb * MIB), first_bucket_bytes=int(args.bucket_cap_mb * MIB),
+                    tensor_bytes=tensors)
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -258,7 +300,7 @@ def parse_gpus(text: str) -> list[int]:
 
 
 def render(work: Workload, predictions: list[Prediction]) -> str:
-    buckets = len(bucket_sizes(work.grad_bytes, work.bucket_cap_bytes, work.first_bucket_bytes))
+    buckets = len(work.buckets())
     header = (f"ddptrain plan: step {1000 * work.step_s:.1f} ms on one device "
               f"({100 * work.backward_fraction:.0f}% backward), gradients {work.grad_bytes / MIB:.1f} MiB in "
               f"{buckets} buckets of <= {work.bucket_cap_bytes / MIB:g} MiB, "
