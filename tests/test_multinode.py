@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-from helpers import REPO, TINY, cli_env, metrics
+from helpers import REPO, TINY, cli_env, metrics, train, weights
 
 pytestmark = pytest.mark.netns
 
@@ -200,3 +200,23 @@ def test_doctor_on_two_hosts_is_healthy_with_bandwidth(hosts, tmp_path):
         assert re.search(rf"^{rank}\s+\S+\s+{re.escape(hosts[rank // 2].addr)}\s+{IFACE}\s", table, re.M), table
     sweep = report[report.index("all-reduce sweep"):]
     assert re.search(r"^64 MiB\s+[\d.]+\s+[\d.e+-]+\s+[\d.e+-]+$", sweep, re.M), sweep
+
+
+def test_hsdp_on_two_hosts_trains_what_ddp_trains_and_its_checkpoint_resumes_on_one(hosts, tmp_path):
+    """World 4 as a (2 hosts x 2 ranks) mesh: shards within a host, a replica per host. Same weights as ddp on
+    4 local processes, the replicas check out identical, and its sharded checkpoint resumes on 2 ranks."""
+    run_dir, reference = tmp_path / "hsdp", tmp_path / "ddp"
+    for rank, node in enumerate(hosts):
+        start(node, train_args(run_dir, "--strategy", "hsdp", "--save_every_steps", "3"), **static_env(hosts, rank))
+    for node in hosts:
+        assert finish(node) == 0, node.output()
+    train(reference, "--max_steps", "6", nproc=4)
+    hsdp, ddp = weights(run_dir / "model.safetensors"), weights(reference / "model.safetensors")
+    assert max((hsdp[k] - ddp[k]).abs().max().item() for k in ddp) <= 1e-5
+    log = (run_dir / "logs" / "rank-0.log").read_text()
+    assert "hsdp over mesh (2, 2)" in log and "replicas identical across 4 ranks" in log
+    resumed = tmp_path / "resumed"
+    train(resumed, "--max_steps", "6", "--grad_accum_steps", "2",
+          "--resume_from", str(run_dir / "checkpoints" / "step-3"), nproc=2)
+    again = weights(resumed / "model.safetensors")
+    assert max((again[k] - ddp[k]).abs().max().item() for k in ddp) <= 1e-5
