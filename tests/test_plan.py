@@ -168,3 +168,29 @@ def test_cli_usage_errors_are_one_line_exit_2(args, needle):
 def test_cli_refuses_a_multi_process_run_dir(tmp_path):
     line = one_line_error(run_cli(["plan", "--run_dir", str(_run_dir(tmp_path, 2)), "--busbw_gbps", "1"]))
     assert "1 process" in line
+
+
+def test_fsdp_moves_one_and_a_half_times_ddp_s_bytes_and_hides_all_but_the_ends():
+    # 8 units of 12.5 MiB at N = 8, B = 10 GB/s, alpha = 10 us: one gather or reduce-scatter takes
+    # 7e-5 + 13107200 / 1e10 * 7 / 8 = 0.0011469 s. Forward (30 ms) hides 7 gathers (8.03 ms), backward (60 ms)
+    # 14 transfers (16.06 ms): exposed are 1 gather in forward, 1 gather + 1 reduce-scatter in backward.
+    unit = 7e-5 + 13107200 / 1e10 * 7 / 8
+    p = plan.predict(_work(10e9), 8)
+    assert p.fsdp_comm_s == pytest.approx(24 * unit, rel=1e-9)
+    assert p.fsdp_step_s == pytest.approx(0.1 + 3 * unit, rel=1e-9)
+    # Bandwidth-bound (no latency), FSDP's bytes are 3 halves of DDP's 2 halves.
+    free = plan.Workload(step_s=0.1, backward_fraction=0.6, grad_bytes=100 * MIB, busbw_bytes_per_s=1e9,
+                         latency_s=0.0, bucket_cap_bytes=25 * MIB, first_bucket_bytes=25 * MIB)
+    slow = plan.predict(free, 8)
+    assert slow.fsdp_comm_s == pytest.approx(1.5 * slow.comm_s, rel=1e-9)
+    # Communication-bound: the step is compute plus whatever of each pass's transfers exceeds it.
+    half = 100 * MIB / 8 / 1e9 * 7 / 8
+    assert slow.fsdp_step_s == pytest.approx(0.1 + half + max(0, 7 * half - 0.03) + 2 * half
+                                             + max(0, 14 * half - 0.06), rel=1e-9)
+
+
+def test_the_model_s_fsdp_units_come_from_its_blocks():
+    from ddptrain.config import TrainConfig
+
+    assert plan.fsdp_unit_count(TrainConfig(model="gpt", num_layers=4)) == 5
+    assert plan.fsdp_unit_count(TrainConfig(model="mini_resnet")) == 7

@@ -1,4 +1,5 @@
-"""`ddptrain plan`: predict step time and scaling efficiency of data-parallel training at 8..1024 GPUs.
+"""`ddptrain plan`: predict step time and scaling efficiency of data-parallel training (DDP, and FSDP next to
+it) at 8..1024 GPUs.
 
 Inputs: the measured time of one optimizer step on one device, the gradient bytes all-reduced per step,
 and the network's all-reduce bus bandwidth and latency (from `ddptrain doctor`, or given). The model:
@@ -19,6 +20,13 @@ and the network's all-reduce bus bandwidth and latency (from `ddptrain doctor`, 
   the rest is exposed and adds to the step: step(N) = step(1) + max(0, end of last all-reduce - t_bwd).
 * Weak scaling: the per-device batch and so the per-device compute are the same at every N, and
   efficiency = step(1) / step(N) = throughput(N) / (N * throughput(1)).
+
+* FSDP (next to DDP, same inputs): parameters live in `units` equal shards (the model's fsdp_blocks plus
+  the root). A ring all-gather or reduce-scatter of S bytes takes (N-1)*alpha + (S/B)*(N-1)/N, half an
+  all-reduce. Per step FSDP all-gathers every unit in forward, again in backward (shards are freed after
+  forward), and reduce-scatters every unit's gradients: 1.5x DDP's bytes. Each unit's gather overlaps the
+  previous unit's compute, so what cannot hide is the first unit's gather in each pass, the last unit's
+  reduce-scatter, and whatever of a pass's communication exceeds its compute (forward = backward / 2).
 
 Not modelled (each makes real runs slower than predicted): compute slowed by communication kernels
 sharing the device (NCCL uses SMs; on CPU gloo uses the same cores), hierarchical networks (give the
@@ -57,6 +65,7 @@ class Workload:
     bucket_cap_bytes: int = 25 * MIB
     first_bucket_bytes: int = FIRST_BUCKET_BYTES
     tensor_bytes: tuple[int, ...] = ()  # gradient tensors in the order backward produces them; () = unknown
+    fsdp_units: int = 8  # FSDP units parameters are split into (blocks + root)
 
     def buckets(self) -> list[int]:
         if self.tensor_bytes:
@@ -78,6 +87,9 @@ class Prediction:
     efficiency: float
     step_no_overlap_s: float  # if nothing overlapped (a bound from above)
     efficiency_no_overlap: float
+    fsdp_comm_s: float = 0.0  # FSDP: all-gathers (forward, backward) and reduce-scatters, back to back
+    fsdp_step_s: float = 0.0
+    fsdp_efficiency: float = 1.0
 
 
 def bucket_sizes(grad_bytes: int, cap_bytes: int, first_bytes: int = FIRST_BUCKET_BYTES) -> list[int]:
@@ -115,10 +127,31 @@ def ring_all_reduce_s(num_bytes: int, world_size: int, busbw_bytes_per_s: float,
     return hops * latency_s + num_bytes / busbw_bytes_per_s * hops / world_size
 
 
-def predict(work: Workload, world_size: int) -> Prediction:
-    """Step time and efficiency at `world_size` devices (weak scaling)."""
+def ring_half_s(num_bytes: int, world_size: int, busbw_bytes_per_s: float, latency_s: float) -> float:
+    """A ring all-gather or reduce-scatter of `num_bytes` (the whole tensor): (N-1)*alpha + (S/B)*(N-1)/N."""
     if world_size <= 1:
-        return Prediction(1, 0, 0.0, 0.0, work.step_s, 1.0, work.step_s, 1.0)
+        return 0.0
+    return (world_size - 1) * latency_s + num_bytes / busbw_bytes_per_s * (world_size - 1) / world_size
+
+
+def predict_fsdp(work: Workload, world_size: int) -> tuple[float, float]:
+    """(communication seconds, step seconds) of FSDP at `world_size` devices (see the module docstring)."""
+    if world_size <= 1:
+        return 0.0, work.step_s
+    unit = ring_half_s(work.grad_bytes // work.fsdp_units, world_size, work.busbw_bytes_per_s, work.latency_s)
+    units = work.fsdp_units
+    forward_s, backward_s = work.backward_s / 2, work.backward_s
+    # forward: u gathers; the first waits, the rest hide behind forward compute as far as it lasts.
+    forward_exposed = unit + max(0.0, (units - 1) * unit - forward_s)
+    # backward: u gathers and u reduce-scatters; the first gather and the last reduce-scatter wait.
+    backward_exposed = 2 * unit + max(0.0, (2 * units - 2) * unit - backward_s)
+    return 3 * units * unit, work.step_s + forward_exposed + backward_exposed
+
+
+def predict(work: Workload, world_size: int) -> Prediction:
+    """Step time and efficiency at `world_size` devices (weak scaling), for DDP and for FSDP."""
+    if world_size <= 1:
+        return Prediction(1, 0, 0.0, 0.0, work.step_s, 1.0, work.step_s, 1.0, 0.0, work.step_s, 1.0)
     sizes = work.buckets()
     backward = work.backward_s
     done_bytes, end, comm = 0, 0.0, 0.0
@@ -131,8 +164,9 @@ def predict(work: Workload, world_size: int) -> Prediction:
     exposed = max(0.0, end - backward)
     step = work.step_s + exposed
     no_overlap = work.step_s + comm
+    fsdp_comm, fsdp_step = predict_fsdp(work, world_size)
     return Prediction(world_size, len(sizes), comm, exposed, step, work.step_s / step, no_overlap,
-                      work.step_s / no_overlap)
+                      work.step_s / no_overlap, fsdp_comm, fsdp_step, work.step_s / fsdp_step)
 
 
 # --- inputs from files -------------------------------------------------------------------------------
@@ -215,6 +249,18 @@ def gradient_tensor_bytes(cfg) -> tuple[int, ...]:
     return tensor_bytes_in_backward_order(model)
 
 
+def fsdp_unit_count(cfg) -> int:
+    """FSDP units of cfg's model under --strategy fsdp: its blocks plus the root (on the meta device)."""
+    import torch
+
+    from ddptrain.models import build_model
+    from ddptrain.parallel import fsdp_blocks
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return len(fsdp_blocks(model, cfg.fsdp_blocks)) + 1
+
+
 def tensor_bytes_in_backward_order(model) -> tuple[int, ...]:
     return tuple(p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad)
 
@@ -242,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "--doctor; default 10)")
     ddp = parser.add_argument_group("DDP")
     ddp.add_argument("--bucket_cap_mb", type=float, default=25.0, help="DDP bucket size in MiB (default: 25)")
+    ddp.add_argument("--fsdp_units", type=int, help="FSDP: units the parameters are sharded in (default: the "
+                     "--run_dir model's fsdp_blocks + 1, else 8)")
     ddp.add_argument("--gpus", default=",".join(map(str, DEFAULT_GPUS)),
                      help="comma-separated device counts (default: 8,16,...,1024)")
     return parser
@@ -250,11 +298,18 @@ def build_parser() -> argparse.ArgumentParser:
 def workload_from_args(args: argparse.Namespace) -> Workload:
     step_s = grad_bytes = backward = None
     tensors: tuple[int, ...] = ()
+    units = 8
     if args.run_dir:
         step_s, backward, grad_bytes = compute_from_run(Path(args.run_dir))
         from ddptrain.config import TrainConfig, load_toml
 
-        tensors = gradient_tensor_bytes(TrainConfig(**load_toml(str(Path(args.run_dir) / "config.toml"))))
+        cfg = TrainConfig(**load_toml(str(Path(args.run_dir) / "config.toml")))
+        tensors = gradient_tensor_bytes(cfg)
+        units = fsdp_unit_count(cfg)
+    if args.fsdp_units is not None:
+        if args.fsdp_units < 1:
+            raise UsageError("--fsdp_units must be >= 1")
+        units = args.fsdp_units
     if args.step_ms is not None:
         step_s = args.step_ms / 1000
     if args.grad_mib is not None:
@@ -286,7 +341,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
                     grad_bytes=grad_bytes, busbw_bytes_per_s=busbw,
                     latency_s=10e-6 if latency is None else latency,
                     bucket_cap_bytes=int(args.bucket_cap_mb * MIB), first_bucket_bytes=int(args.bucket_cap_mb * MIB),
-                    tensor_bytes=tensors)
+                    tensor_bytes=tensors, fsdp_units=units)
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -305,12 +360,16 @@ def render(work: Workload, predictions: list[Prediction]) -> str:
               f"({100 * work.backward_fraction:.0f}% backward), gradients {work.grad_bytes / MIB:.1f} MiB in "
               f"{buckets} buckets of <= {work.bucket_cap_bytes / MIB:g} MiB, "
               f"busbw {work.busbw_bytes_per_s / 1e9:.3g} GB/s, hop latency {1e6 * work.latency_s:.3g} us")
-    names = ["GPUs", "all-reduce ms", "exposed ms", "step ms", "efficiency", "no-overlap step ms", "no-overlap eff"]
+    names = ["GPUs", "all-reduce ms", "exposed ms", "step ms", "efficiency", "no-overlap step ms", "no-overlap eff",
+             "fsdp comm ms", "fsdp step ms", "fsdp eff"]
     rows = [[str(p.world_size), f"{1000 * p.comm_s:.2f}", f"{1000 * p.exposed_s:.2f}", f"{1000 * p.step_s:.2f}",
-             f"{100 * p.efficiency:.1f}%", f"{1000 * p.step_no_overlap_s:.2f}", f"{100 * p.efficiency_no_overlap:.1f}%"]
+             f"{100 * p.efficiency:.1f}%", f"{1000 * p.step_no_overlap_s:.2f}", f"{100 * p.efficiency_no_overlap:.1f}%",
+             f"{1000 * p.fsdp_comm_s:.2f}", f"{1000 * p.fsdp_step_s:.2f}", f"{100 * p.fsdp_efficiency:.1f}%"]
             for p in predictions]
     model = ("model: ring all-reduce t = 2(N-1)*alpha + (S/B)*2(N-1)/N per bucket, buckets reduced in order as "
-             "backward produces them; efficiency = step(1)/step(N) at a fixed per-device batch. Optimistic where "
+             "backward produces them; fsdp: all-gather (forward, backward) + reduce-scatter per unit, "
+             f"{work.fsdp_units} units, each overlapping the previous unit's compute; "
+             "efficiency = step(1)/step(N) at a fixed per-device batch. Optimistic where "
              "devices share a slower inter-node link (pass that busbw), where communication slows compute, or with "
              "stragglers; `ddptrain plan --help` lists the assumptions.")
     table = format_table(names, rows, align="right")
