@@ -1,11 +1,16 @@
 """How a run ends when something goes wrong: a failed rank aborts its process groups, and a slow
-checkpoint write does not trip the collective timeout. Real processes, gloo on CPU."""
+checkpoint write does not trip the collective timeout; either way no process-group thread outlives training.
+Real processes, gloo on CPU."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from helpers import train
+import pytest
+
+import pipeline_runs as runs
+from helpers import REPO, TINY, train
 
 JOB = ["--batch_size", "16", "--epochs", "1", "--max_steps", "4"]
 
@@ -32,3 +37,15 @@ def test_a_checkpoint_write_slower_than_the_collective_timeout_is_waited_for(tmp
                  env={"DDPTRAIN_FAULT": "rank=0,step=2,kind=stall,at=save,seconds=8"}, check=False)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "checkpoints" / "step-2" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("fault", [[], ["--inject_fault", "rank=1,step=2,kind=raise"]], ids=["finished", "failed"])
+def test_no_process_group_thread_outlives_training(tmp_path, fault):
+    # A gloo thread still running when the interpreter finalizes can abort a worker that has finished its
+    # work ("terminate called without an active exception", SIGABRT), and the agent then stops the job.
+    # Building DDP used to pin the default group, so destroying or aborting it left its threads running.
+    runs.torchrun([str(REPO / "tests" / "worker_teardown.py"), str(tmp_path / "threads"), *TINY,
+                   "--run_dir", str(tmp_path / "run"), *JOB, *fault])
+    for rank in (0, 1):
+        left = json.loads((tmp_path / "threads" / f"threads-{rank}.json").read_text())
+        assert not [name for name in left if "gloo" in name], f"rank {rank} still runs threads {left}"

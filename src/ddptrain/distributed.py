@@ -224,6 +224,11 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     else:  # explicit: under srun there is no RANK / WORLD_SIZE for env:// to read
         kwargs.update(rank=env.rank, world_size=env.world_size)
+    # torch.distributed.nn evaluates `group=group.WORLD` into its functions' defaults when first imported,
+    # which building DDP does (through torch._dynamo). Imported after init, those defaults hold the default
+    # group for the life of the interpreter: destroying it frees nothing, and its gloo threads run on into
+    # interpreter finalization. Imported before, the defaults are None (the default group, looked up per call).
+    import torch.distributed.nn  # noqa: F401
     dist.init_process_group(**kwargs)
     failed = False
     try:
