@@ -59,7 +59,7 @@ class RawLoop:
                  num_workers: int, lr: float, momentum: float, weight_decay: float, seed: int,
                  grad_accum_steps: int = 1, sync_every_micro_step: bool = False, use_amp: bool = False,
                  channels_last: bool = False, compile: bool = False, task: str = "classification",
-                 data_parallel: bool = False):
+                 data_parallel: bool = False, strategy: str = "ddp"):
         self.device, self.accum, self.use_amp = device, grad_accum_steps, use_amp
         self.loss_of = LOSSES[task]
         self.sync_every_micro_step, self.channels_last = sync_every_micro_step, channels_last
@@ -69,7 +69,16 @@ class RawLoop:
         world = dist.get_world_size() if dist.is_initialized() else 1
         # One process has nothing to all-reduce; ddptrain does not wrap it either. `data_parallel`: the seed
         # explainer's nn.DataParallel instead, one process driving every visible GPU (batch_size is then global).
-        self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else None
+        # `strategy` "fsdp": the hand-written FSDP2 loop instead, each of the model's blocks sharded, then the root.
+        self.sharded = strategy != "ddp"
+        if self.sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in [m for m in model.modules() if isinstance(m, tuple(model.fsdp_blocks))]:
+                fully_shard(block)
+            fully_shard(model)
+        wrap = world > 1 and not self.sharded
+        self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if wrap else None
         self.model: nn.Module = self.ddp if self.ddp is not None else nn.DataParallel(model) if data_parallel else model
         if compile:
             self.model = torch.compile(self.model)
@@ -112,6 +121,8 @@ class RawLoop:
             self.micro = micro
             batch = self._to_device(self._next_batch())
             skip_sync = self.ddp is not None and micro < self.accum - 1 and not self.sync_every_micro_step
+            if self.sharded and self.accum > 1:
+                self.model.set_requires_gradient_sync(micro == self.accum - 1)
             with self.ddp.no_sync() if skip_sync else contextlib.nullcontext():
                 with torch.autocast(self.device.type, torch.bfloat16, enabled=self.use_amp):
                     loss = self.loss_of(self.model, batch)

@@ -54,7 +54,8 @@ def raw_loop_for(cfg: TrainConfig, ctx: DistributedContext, sync_every_micro_ste
     return RawLoop(build_model(cfg), train, device=ctx.device, batch_size=cfg.batch_size,
                    num_workers=cfg.num_workers, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                    seed=cfg.seed, grad_accum_steps=cfg.grad_accum_steps, sync_every_micro_step=sync_every_micro_step,
-                   use_amp=cfg.use_amp, channels_last=cfg.channels_last, compile=cfg.compile, task=cfg.task)
+                   use_amp=cfg.use_amp, channels_last=cfg.channels_last, compile=cfg.compile, task=cfg.task,
+                   strategy=cfg.strategy)
 
 
 def all_reduce_sweep(ctx: DistributedContext, sizes: list[int], iters: int) -> list[dict[str, float]]:
@@ -103,11 +104,13 @@ def run_pair(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
             time.sleep(job.get("settle_s", 0.1))
             times[side].append(train_steps(trainers[side], iterators[side], job["block_steps"]))
     del iterators
+    memory = [trainer.parallel.memory(trainer.optimizer) for trainer in trainers]  # rank 0's, state all made
     for trainer in trainers:
         trainer.close()
     del trainers
     gc.collect()
-    return {"name": job["name"], "mode": "pair", "world_size": ctx.world_size, "a_s": times[0], "b_s": times[1]}
+    return {"name": job["name"], "mode": "pair", "world_size": ctx.world_size, "a_s": times[0], "b_s": times[1],
+            "a_memory": memory[0], "b_memory": memory[1]}
 
 
 def time_calls(obj: Any, names: tuple[str, ...]) -> dict[str, list[float]]:

@@ -22,7 +22,7 @@ from benchmarks.probe import Interleave, StepProbe
 from helpers import REPO
 
 SECTION_KEYS = {"overhead", "overhead_observed", "overhead_lm", "accumulation", "checkpoint", "data_synthetic", "data_cifar",
-                "startup", "scaling_miniresnet", "scaling_mlp"}
+                "startup", "scaling_miniresnet", "scaling_mlp", "overhead_fsdp", "fsdp_vs_ddp"}
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +151,13 @@ def test_gpu_script_fails_loudly_without_cuda():
                           timeout=120, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 2
     assert "CUDA" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sharding_rows_compare_fsdp_with_a_hand_written_fsdp2_loop_and_with_ddp(tiny_bench):
+    rows = rows_by_key(tiny_bench[0])
+    overhead = rows["overhead_fsdp"]
+    assert "raw FSDP2" in overhead["theirs"] and len(overhead["data"]["ratios"]) >= 2
+    memory = rows["fsdp_vs_ddp"]["data"]
+    for kind in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+        # Two ranks: each holds about half (dim-0 shards; rounding puts at most one row more on rank 0).
+        assert 0.45 * memory["ddp_memory"][kind] <= memory["fsdp_memory"][kind] <= 0.51 * memory["ddp_memory"][kind]

@@ -36,6 +36,8 @@ TRAIN = {**COMMON, "lr": float, "samples_per_sec": float, "samples_per_sec_per_r
          "step_time_skew": float, "data_wait_max_s": float, "step_time_s_by_rank": list,
          "data_wait_s_by_rank": list}
 EVAL = {**COMMON, "accuracy": float, "samples": int}
+MEMORY = {"time": float, "step": int, "epoch": int, "split": str, "strategy": str, "param_bytes": list,
+          "grad_bytes": list, "optimizer_bytes": list, "peak_device_bytes": list}
 BAR_MARK = b"loss="  # tqdm's postfix; the log lines say "loss 1.23", never "loss="
 
 
@@ -47,11 +49,14 @@ def run(tmp_path_factory):
 def test_every_jsonl_line_has_the_schema_of_its_split(run):
     lines = read_jsonl(run.run_dir / "metrics.jsonl")
     for line in lines:
-        schema = {"train": TRAIN, "eval": EVAL}[line["split"]]
+        schema = {"train": TRAIN, "eval": EVAL, "memory": MEMORY}[line["split"]]
         for key, kind in schema.items():
             assert isinstance(line.get(key), kind) and not isinstance(line[key], bool), (key, line)
     train = [line for line in lines if line["split"] == "train"]
     evals = [line for line in lines if line["split"] == "eval"]
+    (memory,) = [line for line in lines if line["split"] == "memory"]
+    assert memory["step"] == 1 and all(len(memory[k]) == 2 and memory[k][0] > 0 for k in MEMORY if k.endswith(
+        "bytes") and k != "peak_device_bytes")
     # 256 samples / (32 x 2 ranks) = 4 steps per epoch, 3 epochs, --log_interval 1; one eval per epoch.
     assert [line["step"] for line in train] == list(range(1, 13))
     assert [(line["step"], line["epoch"]) for line in evals] == [(4, 0), (8, 1), (12, 2)]

@@ -363,7 +363,8 @@ class Trainer:
         mib = [sum(r[:3]) / 2**20 for r in ranks]
         log.info("memory (%s): parameters + gradients + optimizer state %s MiB per rank", self.cfg.strategy,
                  " / ".join(f"{m:.2f}" for m in mib))
-        self.sinks.write({"time": time.time(), "step": self.position.step, "split": "memory",
+        pos = self.position
+        self.sinks.write({"time": time.time(), "step": pos.step, "epoch": pos.epoch, "split": "memory",
                           "strategy": self.cfg.strategy, **row})
 
     def _stop_nonfinite(self, steps: list[int]) -> None:
