@@ -23,7 +23,7 @@ from helpers import (REPO, TINY, RunsCode, assert_bitwise_equal, cli_env, metric
                      run_cli, train, weights)
 
 STEPS = ["--dataset_size", "1024", "--epochs", "4", "--max_steps", "50", "--save_every", "0",
-         "--save_every_steps", "10", "--keep_last", "0", "--record_sample_ids"]
+         "--save_every_steps", "10", "--keep_last", "0", "--record_sample_ids", "--grad_clip", "1.0"]
 FSDP = ["--strategy", "fsdp"]
 
 
@@ -69,6 +69,10 @@ def test_fsdp_trains_what_ddp_trains_within_1e_5_after_50_steps(ddp, fsdp):
     assert metrics(fsdp, "train")[-1]["step"] == 50
     assert max_diff(weights(ddp / "model.safetensors"), weights(fsdp / "model.safetensors")) <= 1e-5
     assert samples_by_step(ddp) == samples_by_step(fsdp)
+    # Clipping at 1.0 acts on the norm over every rank's shards: the same norm ddp computes on whole gradients.
+    norms_ddp, norms_fsdp = ([row["grad_norm"] for row in metrics(run, "train")] for run in (ddp, fsdp))
+    assert max(norms_ddp) > 1.0, "clipping was active"
+    assert norms_fsdp == pytest.approx(norms_ddp, rel=1e-5)
     final_ddp, final_fsdp = metrics(ddp, "eval")[-1], metrics(fsdp, "eval")[-1]
     assert final_fsdp["samples"] == final_ddp["samples"] == 61
     assert final_fsdp["loss"] == pytest.approx(final_ddp["loss"], abs=1e-5)
@@ -101,6 +105,36 @@ def test_each_rank_holds_half_of_ddp_state_and_the_metrics_say_so(ddp, fsdp):
         assert whole[0] == whole[1] > 0
         assert sum(shards) == whole[0], f"{kind}: the shards partition each tensor exactly"
         assert max(shards) <= whole[0] / 2 + rows_of_one, kind
+
+
+def shard_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from ddptrain.checkpoint import read_checkpoint
+    from ddptrain.shards import consolidate
+
+    return consolidate(read_checkpoint(checkpoint, torch.device("cpu")))
+
+
+def test_a_non_finite_step_under_fsdp_is_skipped_on_every_rank(fsdp, tmp_path):
+    """Rank 0's loss is NaN at step 12: the step-12 checkpoint holds the weights of step 11 (the guard under
+    fsdp is decided on the host from the norm over all shards, so both ranks skip)."""
+    run_dir = tmp_path / "nan"
+    train(run_dir, *STEPS, *FSDP, "--max_steps", "12", "--save_every_steps", "11",
+          "--inject_fault", "rank=0,step=12,kind=nan", nproc=2)
+    assert metrics(run_dir, "train")[-1]["nonfinite_steps"] == 1
+    clean = tmp_path / "clean"
+    train(clean, *STEPS, *FSDP, "--max_steps", "11", nproc=2)
+    assert_bitwise_equal(shard_weights(step_dir(run_dir, 12)), shard_weights(step_dir(clean, 11)))
+
+
+def test_use_amp_under_fsdp_computes_in_bf16_and_keeps_fp32_weights(fsdp, tmp_path):
+    run_dir = tmp_path / "amp"
+    train(run_dir, *STEPS, *FSDP, "--use_amp", "--max_steps", "20", nproc=2)
+    final = weights(run_dir / "model.safetensors")
+    assert {t.dtype for t in final.values()} == {torch.float32}
+    reference = shard_weights(step_dir(fsdp, 20))
+    diff = max_diff(reference, final)
+    assert 0 < diff < 0.05, f"bf16 compute differs from fp32 a little, not wholesale: {diff}"
+    assert losses(run_dir)[20] == pytest.approx(losses(fsdp)[20], abs=0.05)
 
 
 # --- sharded checkpoints ---------------------------------------------------------------------------
