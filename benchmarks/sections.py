@@ -40,10 +40,11 @@ MID_MLP = {"full": ["--model", "mlp", "--width", "1536", "--image_size", "32", "
                     "--dataset_size", "100000", "--eval_size", "16"],
            "tiny": ["--model", "mlp", "--width", "64", "--image_size", "8", "--batch_size", "8",
                     "--dataset_size", "4096", "--eval_size", "16"]}
-# "Every observability feature": metrics (with straggler statistics and MFU) at every step, TensorBoard,
-# the per-micro-step sample-id log, plus what is always on (watchdog and heartbeat, rank logs). Not the
-# profiler (a bounded window of steps, not a steady state) nor the progress bar (drawn only on a terminal).
-OBSERVED = ["--log_interval", "1", "--tensorboard", "--record_sample_ids", "--peak_tflops", "1"]
+# "Every observability feature": metrics (with straggler statistics and MFU) at the default --log_interval,
+# TensorBoard, the per-micro-step sample-id log, plus what is always on (watchdog and heartbeat, rank logs).
+# Not the profiler (a bounded window of steps, not a steady state) nor the progress bar (drawn only on a
+# terminal).
+OBSERVED = ["--tensorboard", "--record_sample_ids", "--peak_tflops", "1"]
 # The language-model task: a GPT (4 pre-norm blocks of width 128, 0.83M parameters) trained on next-token
 # cross-entropy over windows of 64 byte tokens of real English text (CPython's pydoc topics, repeated so that
 # no epoch ends while measuring), ~80 ms a step on one core like the conv net. The raw loop writes the same
@@ -132,21 +133,21 @@ def overhead(size: str, work: Path) -> Plan:
             calls = res["calls_s"]
             note = (f"ddptrain {1000 * (ours - theirs):+.2f} ms per step vs the raw loop's {fmt_ms(theirs)} step "
                     f"(medians of {block}-step blocks); rank 0 spends {fmt_ms(calls['_between_steps']['median_s'])} "
-                    "per step in the control all-reduce between steps and "
+                    "per step between steps (the control vote, every --control_interval steps) and "
                     f"{fmt_ms(calls['_log_train']['median_s'])} per log step (median call).")
             if key == "overhead_lm":
                 note = lm_note(flags, res) + " " + note
             if not passed and key == "overhead_observed":
-                note += (" MISS: each step is also a log step: a device->host read of the loss sums, one "
-                         "gather of every rank's sums and timings, a JSON line, ~15 TensorBoard scalars, a log "
-                         "line and a sample-id line per micro-step — a fixed CPU cost per step (rank 0's share "
-                         "stalls both ranks), so the ratio rises with step time, and at the default --log_interval "
-                         "10 the cost is a tenth.")
+                note += (" MISS: every 10th step is a log step: a device->host read of the loss sums, one "
+                         "gather of every rank's sums and timings, a JSON line, ~15 TensorBoard scalars and a log "
+                         "line; every micro-step writes a sample-id line — a fixed CPU cost (rank 0's share "
+                         "stalls both ranks), so the ratio rises with step time.")
             elif not passed:
-                note += (" MISS: per step ddptrain adds a tiny CPU all-reduce on the control group (preemption "
-                         "and timed-save agreement, read one step late), the global gradient norm (non-finite "
-                         "guard) and on-device loss sums, and a log step every --log_interval steps; on a 2-core "
-                         "machine the extra collective's gloo thread also takes CPU from the other work.")
+                note += (" MISS: ddptrain adds the global gradient norm (non-finite guard) and on-device loss "
+                         "sums per step, a tiny CPU all-reduce on the control group every --control_interval "
+                         "steps (preemption and timed-save agreement, read one step late) and a log step every "
+                         "--log_interval steps; on a 2-core machine its threads (gloo's, the batch receiver) take "
+                         "CPU from the same cores.")
             if key == "overhead_lm":  # tokens/s: what a language model's throughput is read in
                 tokens = res["global_batch_size"] * flag_value(flags, "--seq_len")
                 speeds = f"{tokens / ours:,.0f} tokens/s", f"{tokens / theirs:,.0f} tokens/s (raw DDP)"

@@ -148,29 +148,33 @@ class DistributedContext:
 
 
 class LaggedVote:
-    """A MAX over ranks of a few flags, started at one step boundary and read at the next.
+    """A MAX over ranks of a few flags, cast every `interval` steps and read at the step boundary after.
 
-    Deciding one step later costs nothing (a preemption or a timed save waits one more step) and takes the
-    collective off the critical path: it runs under the next step's compute instead of stalling between
-    steps. Every rank reads the same result at the same step, so decisions stay identical.
+    Deciding one step after the cast costs nothing (the collective runs under that step's compute instead of
+    stalling between steps), and casting only every `interval` steps takes the tiny all-reduce and its gloo
+    work off the other steps: a flag raised just after a cast waits `interval` + 1 steps at most. Every rank
+    casts and reads at the same steps (multiples of `interval` of the steps done, which all ranks agree on),
+    so decisions stay identical.
     """
 
-    def __init__(self, ctx: DistributedContext):
-        self.ctx = ctx
+    def __init__(self, ctx: DistributedContext, interval: int = 1):
+        self.ctx, self.interval = ctx, interval
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
-    def exchange(self, flags: list[float]) -> list[float]:
-        """Send this step's flags; return the reduced flags of the previous call (zeros the first time).
+    def exchange(self, step: int, flags: list[float]) -> list[float]:
+        """At the boundary after step `step`: the reduced flags of the vote cast one boundary before, or zeros
+        if none was; casts `flags` when `step` is a multiple of the interval.
 
-        Must be called on all ranks, at the same steps. A world of one decides at once.
+        Must be called on all ranks, at every step boundary. A world of one decides at once, every step.
         """
         if self.ctx.world_size == 1:
             return flags
-        previous = self.drain() or [0.0] * len(flags)
-        tensor = torch.tensor(flags, dtype=torch.float64)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
-        self._pending = (work, tensor)
-        return previous
+        agreed = self.drain() or [0.0] * len(flags)
+        if step % self.interval == 0:
+            tensor = torch.tensor(flags, dtype=torch.float64)
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
+            self._pending = (work, tensor)
+        return agreed
 
     def drain(self) -> list[float] | None:
         """Wait for the vote in flight, if any, and return its result. All ranks."""

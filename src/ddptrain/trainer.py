@@ -111,7 +111,7 @@ class Trainer:
         self.profiler = StepProfiler(cfg.enable_profiling, run_dir, ctx.rank, cfg.profile_wait,
                                      cfg.profile_warmup, cfg.profile_active)
         self.signals = StopSignals()
-        self._vote = LaggedVote(ctx)
+        self._vote = LaggedVote(ctx, cfg.control_interval)
         self.clock = Clock(device)
         self._module_started: Any = None
         if getattr(self.parallel, "ddp", None) is not None and not cfg.compile:
@@ -301,13 +301,14 @@ class Trainer:
         """Act on preemption and timed saves at a step boundary, agreed by one tiny CPU all-reduce.
 
         Signals and clocks differ between ranks; the MAX over ranks makes the decision the same everywhere.
-        The vote is read one step after it is cast (see `LaggedVote`), so nothing waits for it.
+        The vote is cast every --control_interval steps and read one step later (see `LaggedVote`), so
+        nothing waits for it and the steps in between carry no collective of ddptrain's.
         """
         cfg, step = self.cfg, self.position.step
         self.watchdog.phase("sync")
         due_by_time = (self.ctx.is_main and cfg.save_every_minutes > 0
                        and time.monotonic() - self._last_save_time >= 60 * cfg.save_every_minutes)
-        preempt, timed = self._vote.exchange([self.signals.received is not None, due_by_time])
+        preempt, timed = self._vote.exchange(step, [self.signals.received is not None, due_by_time])
         if preempt:
             self.save()
             self.checkpoints.wait()

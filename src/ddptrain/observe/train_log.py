@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from ddptrain.distributed import DistributedContext
@@ -133,7 +133,7 @@ class TrainLog:
         times = [t for t, _, _ in per_rank]
         own = [o for _, _, o in per_rank]
         slowest = max(range(len(own)), key=own.__getitem__)
-        median = float(np.median(own))
+        median = statistics.median(own)
         skew = own[slowest] / median if median > 0 else 1.0
         for rank in range(len(own)):
             streak = self._streak.get(rank, 0)
