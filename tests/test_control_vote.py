@@ -9,6 +9,7 @@ and the interval alone — the same on every rank, whichever rank got the signal
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -28,15 +29,16 @@ def acted_at(signal_step: int, interval: int) -> int:
 def test_preemption_is_decided_at_the_next_vote(tmp_path, interval, signal_rank, signal_step):
     proc = train(tmp_path, *JOB, "--control_interval", str(interval), "--max_steps", "20", nproc=2, check=False,
                  env={"VOTE_SIGNAL_RANK": str(signal_rank), "VOTE_SIGNAL_STEP": str(signal_step)})
-    # 75, or 1 when the launcher's agent, seeing the first worker exit 75, stops the other with SIGTERM while
-    # it tears down: a signal sent to workers alone, not to the launcher, races their exits (launch.py).
-    assert proc.returncode == 75 or "SIGTERM" in proc.stderr, proc.stderr[-3000:]
+    # 75 also when the agent, seeing the first worker exit 75, stops the other while it is exiting (a signal
+    # sent to workers alone races their exits): the launcher reads the fresh PREEMPTED marker.
+    assert proc.returncode == 75, proc.stderr[-3000:]
     step = acted_at(signal_step, interval)
     assert last_committed(tmp_path).name == f"step-{step}"
     assert json.loads((tmp_path / "PREEMPTED").read_text())["step"] == step
-    for rank in (0, 1):  # both ranks stopped at the same step
+    assert f"checkpoint of step {step} committed; exiting" in (tmp_path / "logs" / "rank-0.log").read_text()
+    for rank in (0, 1):  # no rank stopped at another step (rank 1 may be stopped by the agent before it says so)
         log = (tmp_path / "logs" / f"rank-{rank}.log").read_text()
-        assert f"checkpoint of step {step} committed; exiting" in log
+        assert set(re.findall(r"checkpoint of step (\d+) committed; exiting", log)) <= {str(step)}
     assert not (tmp_path / "model.safetensors").exists()
 
 
@@ -48,3 +50,21 @@ def test_notice_after_the_last_vote_lets_the_run_finish(tmp_path):
     assert last_committed(tmp_path).name == "step-10"
     assert (tmp_path / "model.safetensors").exists()
     assert not (tmp_path / "PREEMPTED").exists()
+
+
+def test_a_worker_stopped_by_the_agent_after_a_peer_s_preemption_exit_is_still_a_preemption(tmp_path):
+    """The launcher's verdict when rank 0 exited 75 and the agent SIGTERMed rank 1 while it was exiting."""
+    import signal
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from ddptrain.launch import _report_failure
+
+    started = time.time()
+    failures = {0: ProcessFailure(local_rank=0, pid=1, exitcode=75, error_file="/nonexistent"),
+                1: ProcessFailure(local_rank=1, pid=2, exitcode=-signal.SIGTERM, error_file="/nonexistent")}
+    exc = ChildFailedError("ddptrain", failures)
+    assert _report_failure(exc, tmp_path, started, "train") == 1, "no marker: not a preemption"
+    (tmp_path / "PREEMPTED").write_text(json.dumps({"step": 9, "signal": "SIGTERM", "time": time.time()}))
+    assert _report_failure(exc, tmp_path, started, "train") == 75

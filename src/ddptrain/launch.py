@@ -136,6 +136,11 @@ def _recorded(failure) -> bool:
 def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float, command: str) -> int:
     """One line naming the root-cause rank, host and error; exit code 75 / 2 / 1 as the workers said."""
     codes = {f.exitcode for f in exc.failures.values()}
+    # A preemption notice that reached the workers but not this launcher: the first worker to exit 75 makes
+    # the agent stop the others (SIGTERM) as it tears down. They had all agreed on the committed checkpoint
+    # before any exited, so a fresh PREEMPTED marker makes it a preemption still.
+    if codes == {EXIT_PREEMPTED, -signal.SIGTERM} and _preempted_since(run_dir, started):
+        codes = {EXIT_PREEMPTED}
     if codes == {EXIT_PREEMPTED}:
         preempted = _preempted_since(run_dir, started) or {"step": "?"}
         print(f"ddptrain: preempted: checkpoint of step {preempted['step']} committed; exit {EXIT_PREEMPTED} "
