@@ -209,3 +209,23 @@ def test_a_resume_inside_a_log_window_logs_what_the_uninterrupted_run_logs(tmp_p
     train(tmp_path / "killed", *job, "--max_restarts", "1", nproc=2, env={"DDPTRAIN_FAULT": "rank=1,step=5,kind=sigkill"})
     assert losses(tmp_path / "killed") == losses(tmp_path / "straight")
     assert sorted(losses(tmp_path / "straight")) == [4, 8, 12, 16]
+
+
+def test_sample_ids_of_a_killed_run_cover_every_step_once_its_restart_is_done(tmp_path):
+    """The sample-id log is buffered and flushed at log steps and before each save: with log steps far apart
+    (10), a SIGKILL at step 5 loses at most the lines after the step-3 checkpoint, which the restart records
+    again. Every step 1..16 is in the log, and each epoch covers the 256 samples exactly once."""
+    from collections import defaultdict
+
+    from helpers import read_jsonl
+
+    train(tmp_path, *JOB, "--record_sample_ids", "--log_interval", "10", "--max_restarts", "1", nproc=2,
+          env={"DDPTRAIN_FAULT": "rank=1,step=5,kind=sigkill"})
+    by_step: dict[int, dict] = defaultdict(dict)
+    for path in sorted((tmp_path / "samples").glob("rank-*.jsonl")):
+        for row in read_jsonl(path):
+            by_step[row["step"]][(path.stem, row["micro"])] = row["ids"]  # the later attempt's line wins
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    for epoch in (range(1, 9), range(9, 17)):
+        ids = sorted(i for step in epoch for part in by_step[step].values() for i in part)
+        assert ids == list(range(256)), f"steps {epoch.start}-{epoch.stop - 1} do not cover the epoch once"

@@ -128,7 +128,9 @@ class Trainer:
         self._sample_log = None
         if cfg.record_sample_ids:
             (run_dir / "samples").mkdir(parents=True, exist_ok=True)
-            self._sample_log = open(run_dir / "samples" / f"rank-{ctx.rank}.jsonl", "a", buffering=1)
+            # Buffered, flushed at log steps and before every save: a killed run loses at most the lines of steps
+            # after its last checkpoint, which the resumed run trains (and records) again.
+            self._sample_log = open(run_dir / "samples" / f"rank-{ctx.rank}.jsonl", "a")
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -326,6 +328,8 @@ class Trainer:
         if self.position.step == self.checkpoints.last_saved_step:
             return
         self.watchdog.phase("checkpoint")
+        if self._sample_log is not None:
+            self._sample_log.flush()
         self.parallel.sync_buffers()
         self.checkpoints.save(Position(**vars(self.position)), lambda: snapshot(self), rank_state(self))
         self._last_save_time = time.monotonic()
@@ -347,6 +351,8 @@ class Trainer:
     # --- metrics ---------------------------------------------------------------------------------
     def _log_train(self, bar: ProgressBar) -> None:
         self.watchdog.phase("log")
+        if self._sample_log is not None:
+            self._sample_log.flush()
         pos = self.position
         self.train_log.write(self.window, pos.step, pos.epoch, self.total_steps, self.optimizer.param_groups[0]["lr"],
                              bar)
