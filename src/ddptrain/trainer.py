@@ -193,7 +193,7 @@ class Trainer:
         if pos.step == 1 + self._first_step:
             # Tier two: the generous init timeout covered rendezvous and the first step.
             self.ctx.set_collective_timeout(cfg.collective_timeout_s)
-            self._report_memory()
+            self.train_log.write_memory(self.parallel.memory(self.optimizer), pos.step, pos.epoch, cfg.strategy)
         if pos.step % cfg.log_interval == 0:
             self._log_train(bar)
         self._between_steps()
@@ -357,22 +357,6 @@ class Trainer:
         self.train_log.write(self.window, pos.step, pos.epoch, self.total_steps, self.optimizer.param_groups[0]["lr"],
                              bar)
         self.window.reset()
-
-    def _report_memory(self) -> None:
-        """What each rank holds once every kind of state exists (after its first step): one metrics row."""
-        held = self.parallel.memory(self.optimizer)
-        device = self.ctx.device
-        held["peak_device_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-        ranks = self.ctx.gather_floats([float(v) for v in held.values()])
-        if self.sinks is None:
-            return
-        row = {key: [int(r[i]) for r in ranks] for i, key in enumerate(held)}
-        mib = [sum(r[:3]) / 2**20 for r in ranks]
-        log.info("memory (%s): parameters + gradients + optimizer state %s MiB per rank", self.cfg.strategy,
-                 " / ".join(f"{m:.2f}" for m in mib))
-        pos = self.position
-        self.sinks.write({"time": time.time(), "step": pos.step, "epoch": pos.epoch, "split": "memory",
-                          "strategy": self.cfg.strategy, **row})
 
     def _stop_nonfinite(self, steps: list[int]) -> None:
         local_bad = float(self.window.bad_loss)

@@ -49,6 +49,19 @@ class TrainLog:
         self._streak: dict[int, int] = {}
         self.gpu = GpuUtilisation(ctx.device)
 
+    def write_memory(self, held: dict[str, int], step: int, epoch: int, strategy: str) -> None:
+        """The "memory" line: what each rank holds (`held`: its parameter, gradient and optimizer bytes), once
+        every kind of state exists, and the CUDA allocator's peak. All ranks; rank 0 writes."""
+        device = self.ctx.device
+        held = {**held, "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0}
+        ranks = self.ctx.gather_floats([float(v) for v in held.values()])
+        if self.sinks is None:
+            return
+        log.info("memory (%s): parameters + gradients + optimizer state %s MiB per rank", strategy,
+                 " / ".join(f"{sum(r[:3]) / 2**20:.2f}" for r in ranks))
+        self.sinks.write({"time": time.time(), "step": step, "epoch": epoch, "split": "memory", "strategy": strategy,
+                          **{key: [int(r[i]) for r in ranks] for i, key in enumerate(held)}})
+
     def write(self, window: MetricWindow, step: int, epoch: int, total_steps: int, lr: float,
               bar: ProgressBar) -> None:
         """Reduce the window's numbers over ranks and write one train line. The step's only host sync."""
