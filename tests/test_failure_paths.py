@@ -49,3 +49,30 @@ def test_no_process_group_thread_outlives_training(tmp_path, fault):
     for rank in (0, 1):
         left = json.loads((tmp_path / "threads" / f"threads-{rank}.json").read_text())
         assert not [name for name in left if "gloo" in name], f"rank {rank} still runs threads {left}"
+
+
+def test_a_worker_killed_while_recording_its_error_leaves_no_half_written_error_file(tmp_path):
+    """The agent reads a failed worker's error file as it exits and crashes on one cut short (a JSON error that
+    ends the whole launch). A worker stopped mid-write (here: the write is cut after 10 bytes, then the
+    process exits at once) must leave either no file or a whole one."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "error.json"
+    script = ("import json, os, sys\n"
+              "real_dump = json.dump\n"
+              "def cut(obj, fp, **kw):\n"
+              "    fp.write(json.dumps(obj)[:10]); fp.flush(); os._exit(9)\n"
+              "json.dump = cut\n"
+              "from ddptrain.observe.watchdog import record_for_launcher\n"
+              "record_for_launcher(RuntimeError('boom'))\n")
+    env = {"TORCHELASTIC_ERROR_FILE": str(target), "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 9, proc.stderr
+    assert not target.exists() or json.loads(target.read_text())
+    # Uninterrupted, the file is torch's format, whole.
+    done = subprocess.run([sys.executable, "-c", "from ddptrain.observe.watchdog import record_for_launcher\n"
+                           "record_for_launcher(RuntimeError('boom'))"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(target.read_text())["message"]["message"] == "RuntimeError: boom"

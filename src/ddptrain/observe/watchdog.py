@@ -41,11 +41,23 @@ class HangError(RuntimeError):
 
 
 def record_for_launcher(exc: BaseException) -> None:
-    """Write `exc` to torchelastic's error file so the launcher reports it as this rank's root cause."""
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    """Write `exc` to torchelastic's error file so the launcher reports it as this rank's root cause.
+
+    Atomically (tmp, then rename): the agent SIGTERMs the other workers as soon as one fails, and reads each
+    error file as it exits; a file cut short by that signal would crash the agent's JSON parse (and with it
+    the whole launch, restarts included). A worker stopped mid-write leaves no file, which the agent expects.
+    """
+    target = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if target:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-        ErrorHandler().record_exception(exc)
+        tmp = f"{target}.{os.getpid()}.tmp"
+        os.environ["TORCHELASTIC_ERROR_FILE"] = tmp  # ErrorHandler writes where this names, in torch's format
+        try:
+            ErrorHandler().record_exception(exc)
+            os.replace(tmp, target)
+        finally:
+            os.environ["TORCHELASTIC_ERROR_FILE"] = target
 
 
 class Watchdog:
