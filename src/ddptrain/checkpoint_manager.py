@@ -89,7 +89,7 @@ class CheckpointManager:
                 prepare_step_dir(self.directory, position.step)
             except OSError as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        self._agree(self.ctx.broadcast_object(error), position.step)  # also: nobody writes into a dir being cleaned
+        self._agree(error, position.step)  # rank 0's verdict; also: nobody writes into a dir being cleaned
         snap = make_snapshot()
         snap.trainer = {**snap.trainer, "rng": rng}
         snap.origin = self.origin
