@@ -5,14 +5,13 @@ Run under torchrun with 2 processes:
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/worker_teardown.py OUT_DIR \
         [ddptrain train flags]
 
-It trains through `train_worker` (what `ddptrain train` runs in each worker), collects the garbage as the
-CLI does before returning, and writes the names of the process's OS threads to OUT_DIR/threads-<rank>.json.
-Process-group threads still running then run on into interpreter finalization.
+It trains through `train_worker` (what `ddptrain train`, `fit` and its spawned workers run in each process)
+and, as soon as it returns, writes the names of the process's OS threads to OUT_DIR/threads-<rank>.json.
+Process-group threads still running then would run on into interpreter finalization.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -38,7 +37,6 @@ def main(argv: list[str]) -> None:
         train_worker(cfg)
     except WorkerFailed:
         pass
-    gc.collect()
     out.mkdir(parents=True, exist_ok=True)
     (out / f"threads-{os.environ['RANK']}.json").write_text(json.dumps(os_thread_names()))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import gc
 import os
 import sys
 import traceback
@@ -39,6 +40,19 @@ def train_worker(cfg: TrainConfig, *, model: Any = None, datasets: tuple[Any, An
     Raises UsageError and Preempted as they are, and WorkerFailed for anything else after reporting it with
     this rank, its host and the step; the process groups are then aborted rather than destroyed.
     """
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _train_in_group(cfg, run_dir, model, datasets, task)
+    finally:
+        # The Trainer sits in reference cycles (hooks, LR lambdas) and holds process-group objects, and only the
+        # cyclic collector frees it. Free it now, while the interpreter is whole: a ProcessGroupGloo left for
+        # interpreter finalization keeps its threads running into it, which can abort a process whose work is
+        # done ("terminate called without an active exception"; cf. pytorch/pytorch#179291).
+        gc.collect()
+
+
+def _train_in_group(cfg: TrainConfig, run_dir: Path, model: Any, datasets: Any, task: Any) -> dict[str, Any]:
     from ddptrain import netinfo
     from ddptrain.distributed import distributed
     from ddptrain.launch import LOCAL_LAUNCH_ENV
@@ -46,8 +60,6 @@ def train_worker(cfg: TrainConfig, *, model: Any = None, datasets: tuple[Any, An
     from ddptrain.observe.watchdog import record_for_launcher
     from ddptrain.trainer import Trainer
 
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     with distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx:
         log = setup_logging(run_dir, ctx.rank, ctx.world_size, ctx.host)
         log.debug("address %s on interface %s, device %s", ctx.addr, ctx.interface, ctx.device)
@@ -61,7 +73,8 @@ def train_worker(cfg: TrainConfig, *, model: Any = None, datasets: tuple[Any, An
                          ctx.backend, ctx.device)
             trainer = Trainer(cfg, ctx, run_dir, model=model, datasets=datasets, task=as_task(task))
             return trainer.fit()
-        except (UsageError, Preempted):
+        except (UsageError, Preempted) as exc:
+            traceback.clear_frames(exc.__traceback__)  # as below: the exception must not keep the Trainer alive
             raise
         except Exception as exc:
             step = trainer.position.step if trainer is not None else "startup"
@@ -71,10 +84,13 @@ def train_worker(cfg: TrainConfig, *, model: Any = None, datasets: tuple[Any, An
                     f"{netinfo.lost_peers_note(str(exc), ctx.hosts, ctx.addrs, ctx.addr)}")
             sys.stderr.write(f"ddptrain: {line}\n")
             record_for_launcher(exc)
+            traceback.clear_frames(exc.__traceback__)  # its frames' locals (the Trainer) become garbage now
             raise WorkerFailed(line) from exc
         finally:
             if trainer is not None:
                 trainer.close()  # loader workers stop now, not at a garbage collection after the group is gone
+                trainer.parallel.release()
+            trainer = None
 
 
 def as_task(task: Any) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 from pathlib import Path
@@ -47,10 +46,6 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_PREEMPTED
     except KeyboardInterrupt:
         code = 130
-    # The trainer sits in reference cycles (hooks, LR lambdas) and holds process-group objects. Free them while
-    # the interpreter is whole (the exception and its frames are gone by now): a ProcessGroupGloo freed during
-    # interpreter finalization can abort the process after its work is done (cf. pytorch/pytorch#179291).
-    gc.collect()
     return code
 
 

@@ -234,7 +234,7 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
     # interpreter finalization. Imported before, the defaults are None (the default group, looked up per call).
     import torch.distributed.nn  # noqa: F401
     dist.init_process_group(**kwargs)
-    failed = False
+    failed, ctx = False, None
     try:
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
         ctx = DistributedContext(rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
@@ -251,6 +251,8 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
         raise
     finally:
         _teardown(failed)
+        if ctx is not None:  # an exception's frames may hold ctx: they must not hold a destroyed group too
+            ctx.control_group = None
 
 
 def _teardown(failed: bool) -> None:

@@ -67,6 +67,9 @@ class DataParallel:
         """Bytes this rank holds of parameters, gradients and optimizer state."""
         return _memory(self.module, optimizer)
 
+    def release(self) -> None:
+        """Nothing to let go of: DDP's reference to its group goes with the Trainer (see ShardedParallel)."""
+
     @torch.no_grad()
     def check_replicas(self) -> None:
         """Prove that DDP kept the ranks' parameters bitwise identical (a silent divergence is the worst bug).
@@ -139,6 +142,16 @@ class ShardedParallel:
 
     def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return _memory(self.module, optimizer)
+
+    def release(self) -> None:
+        """Let go of the mesh's process groups once training is over (before they are destroyed).
+
+        torch's DTensor caches keep every mesh they saw for the life of the interpreter, and a mesh holds its
+        groups: their gloo threads would run on into interpreter finalization (see api.train_worker).
+        """
+        registry = getattr(self.mesh, "_pg_registry", None)  # shared by the mesh's sub-meshes
+        if isinstance(registry, dict):
+            registry.clear()
 
     @torch.no_grad()
     def check_replicas(self) -> None:
