@@ -54,6 +54,19 @@ def test_no_process_group_thread_outlives_training(tmp_path, fault):
         assert not [name for name in left if "gloo" in name], f"rank {rank} still runs threads {left}"
 
 
+def test_a_teardown_that_does_not_return_is_left_behind_loudly(tmp_path):
+    # destroy_process_group waiting forever on work left in a backend's queue (cf. pytorch/pytorch#75097) after
+    # the run's outputs are all written: train_worker returns after the teardown limit (2 s here) and says why.
+    runs.torchrun([str(REPO / "tests" / "worker_teardown.py"), str(tmp_path / "out"), "--stuck-destroy", *TINY,
+                   "--run_dir", str(tmp_path / "run"), *JOB])
+    for rank in (0, 1):
+        assert json.loads((tmp_path / "out" / f"returned-{rank}.json").read_text())["step"] == 4
+        log = (tmp_path / "run" / "logs" / f"rank-{rank}.log").read_text()
+        assert (f"teardown: rank {rank} on host" in log and "destroying the process groups did not return in 2 s; "
+                "the run's outputs are all written" in log), log[-2000:]
+        assert "stacks of every thread" in log and "in stuck_destroy" in log  # the stuck call, named
+
+
 def test_a_worker_killed_while_recording_its_error_leaves_no_half_written_error_file(tmp_path):
     """The agent reads a failed worker's error file as it exits and crashes on one cut short (a JSON error that
     ends the whole launch). A worker stopped mid-write (here: the write is cut after 10 bytes, then the

@@ -11,6 +11,8 @@ import datetime
 import logging
 import os
 import socket
+import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -23,6 +25,7 @@ from ddptrain.errors import UsageError
 
 log = logging.getLogger("ddptrain")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TEARDOWN_TIMEOUT_S = 60.0  # a healthy teardown takes milliseconds (gloo) to seconds (NCCL)
 
 
 @dataclass
@@ -250,23 +253,46 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
         failed = True
         raise
     finally:
-        _teardown(failed)
+        _teardown(failed, run_dir, env.rank)
         if ctx is not None:  # an exception's frames may hold ctx: they must not hold a destroyed group too
             ctx.control_group = None
 
 
-def _teardown(failed: bool) -> None:
-    """Destroy the process groups after success; abort them after a failure.
+def _teardown(failed: bool, run_dir: Path, rank: int) -> None:
+    """Destroy the process groups after success; abort them after a failure. Waits TEARDOWN_TIMEOUT_S at most.
 
     A failed rank may have collectives in flight that its peers will never join: destroying would wait for
-    them (NCCL can hang there), aborting drops them.
+    them (NCCL can hang there), aborting drops them. A destroy that still does not return (work left pending
+    in a backend's queue; cf. pytorch/pytorch#75097) must not hold a finished run hostage: everything the run
+    writes is written by now. It is left behind on its thread, loudly, with every thread's stack in the log.
     """
     if not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if failed and abort is not None:
         log.debug("aborting the process groups after a failure")
-        abort()
+        end, what = abort, "aborting"
     else:
         log.debug("destroying the process groups")
-        dist.destroy_process_group()
+        end, what = dist.destroy_process_group, "destroying"
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def run() -> None:
+        if cuda_device is not None:  # a new thread starts on device 0
+            torch.cuda.set_device(cuda_device)
+        end()
+
+    ender = threading.Thread(target=run, name="ddptrain-teardown", daemon=True)
+    ender.start()
+    ender.join(TEARDOWN_TIMEOUT_S)
+    if ender.is_alive():
+        from ddptrain.observe.log import rank_log_path
+        from ddptrain.observe.watchdog import dump_stacks
+
+        path = rank_log_path(run_dir, rank)
+        state = "the run has failed already" if failed else "the run's outputs are all written"
+        message = (f"teardown: rank {rank} on host {socket.gethostname()}: {what} the process groups did not "
+                   f"return in {TEARDOWN_TIMEOUT_S:.0f} s; {state}, so this process goes on without it")
+        dump_stacks(path, message, rank)
+        log.error("%s; stacks of every thread in %s", message, path)
+        sys.stderr.write(f"ddptrain: {message}; stacks in {path}\n")

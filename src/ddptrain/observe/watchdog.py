@@ -30,6 +30,17 @@ PHASE_ORDER = ("startup", "data", "forward/backward", "backward+all-reduce", "op
                "replica check", "checkpoint")
 
 
+def dump_stacks(log_path: Path, message: str, rank: int) -> None:
+    """`message`, then the Python stack of every thread, into the rank log (onto stderr if it cannot be written)."""
+    try:
+        with open(log_path, "a") as fh:
+            fh.write(f"\n{message}\nstacks of every thread of rank {rank}:\n")
+            fh.flush()
+            faulthandler.dump_traceback(file=fh, all_threads=True)
+    except OSError:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+
 def _progress(step: int, phase: str, idle_s: float) -> tuple[int, int, float]:
     """Sort key: lower is further behind (earlier step, earlier phase, then idle longer)."""
     order = PHASE_ORDER.index(phase) if phase in PHASE_ORDER else len(PHASE_ORDER)
@@ -151,13 +162,7 @@ class Watchdog:
 
     def _fire(self, idle: float) -> None:
         message = self.describe(idle)
-        try:
-            with open(self.log_path, "a") as fh:
-                fh.write(f"\n{message}\nstacks of every thread of rank {self.ctx.rank}:\n")
-                fh.flush()
-                faulthandler.dump_traceback(file=fh, all_threads=True)
-        except OSError:
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        dump_stacks(self.log_path, message, self.ctx.rank)
         log.error("%s; stacks in %s", message, self.log_path)
         sys.stderr.write(f"ddptrain: {message}; stacks in {self.log_path}\n")
         sys.stderr.flush()
