@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import gc
 import os
 import sys
 import traceback
@@ -40,19 +39,6 @@ def train_worker(cfg: TrainConfig, *, model: Any = None, datasets: tuple[Any, An
     Raises UsageError and Preempted as they are, and WorkerFailed for anything else after reporting it with
     this rank, its host and the step; the process groups are then aborted rather than destroyed.
     """
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        return _train_in_group(cfg, run_dir, model, datasets, task)
-    finally:
-        # The Trainer sits in reference cycles (hooks, LR lambdas) and holds process-group objects, and only the
-        # cyclic collector frees it. Free it now, while the interpreter is whole: a ProcessGroupGloo left for
-        # interpreter finalization keeps its threads running into it, which can abort a process whose work is
-        # done ("terminate called without an active exception"; cf. pytorch/pytorch#179291).
-        gc.collect()
-
-
-def _train_in_group(cfg: TrainConfig, run_dir: Path, model: Any, datasets: Any, task: Any) -> dict[str, Any]:
     from ddptrain import netinfo
     from ddptrain.distributed import distributed
     from ddptrain.launch import LOCAL_LAUNCH_ENV
@@ -60,6 +46,8 @@ def _train_in_group(cfg: TrainConfig, run_dir: Path, model: Any, datasets: Any, 
     from ddptrain.observe.watchdog import record_for_launcher
     from ddptrain.trainer import Trainer
 
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     with distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx:
         log = setup_logging(run_dir, ctx.rank, ctx.world_size, ctx.host)
         log.debug("address %s on interface %s, device %s", ctx.addr, ctx.interface, ctx.device)
@@ -90,7 +78,7 @@ def _train_in_group(cfg: TrainConfig, run_dir: Path, model: Any, datasets: Any, 
             if trainer is not None:
                 trainer.close()  # loader workers stop now, not at a garbage collection after the group is gone
                 trainer.parallel.release()
-            trainer = None
+            trainer = None  # `distributed` frees it with the process groups: nothing else may hold it
 
 
 def as_task(task: Any) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -15,7 +16,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -118,12 +119,22 @@ class DistributedContext:
 
     def gather_floats(self, values: list[float]) -> list[list[float]]:
         """Every rank's `values`, indexed by rank. Must be called on all ranks."""
+        return self.start_gather_floats(values)()
+
+    def start_gather_floats(self, values: list[float]) -> Callable[[], list[list[float]]]:
+        """Start gathering every rank's `values` on the control group; the function returned waits for them
+        and gives them indexed by rank. Must be called on all ranks, in the same order as other collectives."""
         mine = torch.tensor(values, dtype=torch.float64)
         if self.world_size == 1:
-            return [mine.tolist()]
+            return lambda: [mine.tolist()]
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.control_group)
-        return [t.tolist() for t in out]
+        work = dist.all_gather(out, mine, group=self.control_group, async_op=True)
+
+        def wait() -> list[list[float]]:
+            work.wait()
+            return [t.tolist() for t in out]
+
+        return wait
 
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """Rank `src`'s `obj` on every rank (pickled between our own processes only). All ranks."""
@@ -253,12 +264,19 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
         failed = True
         raise
     finally:
-        _teardown(failed, run_dir, env.rank)
+        quiesced = _teardown(failed, run_dir, env.rank)
         if ctx is not None:  # an exception's frames may hold ctx: they must not hold a destroyed group too
             ctx.control_group = None
+        # The Trainer sits in reference cycles (hooks, LR lambdas) and holds process-group objects: only the
+        # cyclic collector frees it. Free it now, while the interpreter is whole: a ProcessGroupGloo left for
+        # interpreter finalization keeps its threads running into it, which can abort a process whose work is
+        # done ("terminate called without an active exception"; cf. pytorch/pytorch#179291). The quiescing
+        # collectives outlive the groups (see _quiesce_gloo_groups).
+        gc.collect()
+        del quiesced
 
 
-def _teardown(failed: bool, run_dir: Path, rank: int) -> None:
+def _teardown(failed: bool, run_dir: Path, rank: int) -> list[Any]:
     """Destroy the process groups after success; abort them after a failure. Waits TEARDOWN_TIMEOUT_S at most.
 
     A failed rank may have collectives in flight that its peers will never join: destroying would wait for
@@ -267,14 +285,19 @@ def _teardown(failed: bool, run_dir: Path, rank: int) -> None:
     writes is written by now. It is left behind on its thread, loudly, with every thread's stack in the log.
     """
     if not dist.is_initialized():
-        return
+        return []
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    held: list[Any] = []
     if failed and abort is not None:
         log.debug("aborting the process groups after a failure")
         end, what = abort, "aborting"
     else:
         log.debug("destroying the process groups")
-        end, what = dist.destroy_process_group, "destroying"
+        what = "destroying"
+
+        def end() -> None:
+            held.extend(_quiesce_gloo_groups())
+            dist.destroy_process_group()
     cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def run() -> None:
@@ -296,3 +319,28 @@ def _teardown(failed: bool, run_dir: Path, rank: int) -> None:
         dump_stacks(path, message, rank)
         log.error("%s; stacks of every thread in %s", message, path)
         sys.stderr.write(f"ddptrain: {message}; stacks in {path}\n")
+    return held
+
+
+def _quiesce_gloo_groups() -> list[Any]:
+    """One last tiny all-reduce on every gloo group of this rank, waited for; returns them, to be held until
+    the groups are freed. All ranks, after their last collective.
+
+    A gloo worker thread frees a finished collective's work under the group's queue lock, and when Python
+    has already dropped the work's tensors, freeing them takes the GIL. A group freed meanwhile (its
+    destructor takes that lock, with the GIL held by whoever drops the last reference) deadlocks with it:
+    the hang seen at the end of finished runs, main thread in ~ProcessGroupGloo, a gloo thread waiting for
+    the GIL in ~AsyncAllgatherWork. Waiting here releases the GIL, so every such thread finishes first;
+    and these last works' tensors stay Python's until the groups are gone, so freeing them needs nothing.
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    names: dict = getattr(world, "pg_names", {}) or {}
+    held = []
+    for group in sorted(names, key=names.get):  # creation order: the same on every rank
+        if "gloo" not in str(dist.get_backend(group)):
+            continue
+        tensor = torch.zeros(1)
+        held.append((dist.all_reduce(tensor, group=group, async_op=True), tensor))
+    for work, _ in held:
+        work.wait()
+    return held
