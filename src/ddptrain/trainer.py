@@ -171,6 +171,7 @@ class Trainer:
             # The end: log the partial window, evaluate if the last epoch ended early, final save.
             if self.window.steps:
                 self._log_train(bar)
+            self.train_log.finish()
             if not last_eval or last_eval["step"] != pos.step:
                 last_eval = self.evaluate()
             self._vote.drain()  # a preemption flag still in flight is moot: the final save follows
@@ -186,6 +187,7 @@ class Trainer:
         """A training step and what follows it at the step boundary: schedule, logging, flags, saves."""
         cfg, pos = self.cfg, self.position
         self.train_step(batches)
+        self.train_log.finish()  # the line of the log step before this step: its numbers arrived meanwhile
         pos.step += 1
         pos.cursor += self.layout.global_batch_size
         self.scheduler.step()
@@ -286,6 +288,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, Any]:
         """Exact eval of the task's metrics over the eval set (rank 0's buffers). Must be called on all ranks."""
+        self.train_log.finish()  # the train line of this step comes before its eval line
         self.watchdog.phase("eval")
         self.parallel.sync_buffers()
         result = self.evaluator.evaluate(self.module, heartbeat=lambda: self.watchdog.phase("eval"))
@@ -325,6 +328,7 @@ class Trainer:
 
     def save(self) -> None:
         """Checkpoint the current position (skipped if this step is already saved). All ranks."""
+        self.train_log.finish()  # a checkpoint's window starts after the last line: that line must be written
         if self.position.step == self.checkpoints.last_saved_step:
             return
         self.watchdog.phase("checkpoint")

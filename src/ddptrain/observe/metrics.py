@@ -37,8 +37,8 @@ def _clean(value: Any) -> Any:
 class MetricSinks:
     """Rank 0 only. Appends one JSON object per line and mirrors numbers to TensorBoard, on a writer thread.
 
-    Formatting a line and a dozen TensorBoard summaries costs milliseconds; on the training thread they
-    would hold up every rank at the next collective. `close` drains the queue, so no line is lost when a
+    Formatting a line, a dozen TensorBoard summaries and the log line that announces it cost milliseconds;
+    on the training thread they would hold up every rank at the next collective. `close` drains the queue, so no line is lost when a
     run ends or fails.
     """
 
@@ -55,16 +55,20 @@ class MetricSinks:
         self._thread = threading.Thread(target=self._drain, name="ddptrain-metrics", daemon=True)
         self._thread.start()
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any], announce: str = "") -> None:
+        """Queue `record` for the writer thread, which then logs `announce` (if any) at INFO."""
         assert record["split"] in SPLITS
-        self._queue.put(record)
+        self._queue.put((record, announce))
 
     def _drain(self) -> None:
-        while (record := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            record, announce = item
             try:
                 self._write(record)
             except Exception as exc:  # a full disk must not kill training; say so once per line lost
                 log.error("metrics line of step %s not written: %s: %s", record.get("step"), type(exc).__name__, exc)
+            if announce:
+                log.info("%s", announce)
 
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")

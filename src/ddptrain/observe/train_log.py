@@ -7,7 +7,8 @@ import logging
 import math
 import statistics
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -37,8 +38,34 @@ class Clock:
         return start.elapsed_time(end) / 1000.0 if self.cuda else end - start
 
 
+@dataclass
+class _Pending:
+    """A train line between `TrainLog.write` and `TrainLog.finish`."""
+
+    step: int
+    epoch: int
+    total_steps: int
+    lr: float
+    bar: ProgressBar
+    values: torch.Tensor  # loss sum, count, non-finite losses, last norm, then a flag per step of the window
+    ready: Any  # CUDA: the event after their copy to the host; None on CPU
+    log_interval: int
+    spans: list
+    elapsed: float
+    data_wait: float
+    units: int
+    util: list[float]
+    breakdown: dict[str, float] = field(default_factory=lambda: {"fwd_bwd": 0.0, "optimizer": 0.0, "forward": 0.0})
+    loss_sum: float = 0.0
+    count: float = 0.0
+    bad_loss: float = 0.0
+    norm: float = 0.0
+    gather: Callable[[], list[list[float]]] | None = None
+
+
 class TrainLog:
-    """Turns a `MetricWindow` into one train line. `write` must be called on all ranks (one gather)."""
+    """Turns a `MetricWindow` into one train line: `write` at a log step, `finish` at the next step boundary
+    (or before an eval, a save, the end). Both on all ranks: one all-gather per line."""
 
     def __init__(self, ctx: DistributedContext, sinks: MetricSinks | None, clock: Clock, global_batch_size: int,
                  unit: str, flops_per_sample: float, peak_tflops: float, straggler_skew: float):
@@ -48,6 +75,8 @@ class TrainLog:
         self.straggler_skew = straggler_skew
         self._streak: dict[int, int] = {}
         self.gpu = GpuUtilisation(ctx.device)
+        self._pending: _Pending | None = None
+        self._host: torch.Tensor | None = None  # CUDA: the pinned buffer the window's numbers come back in
 
     def write_memory(self, held: dict[str, int], step: int, epoch: int, strategy: str) -> None:
         """The "memory" line: what each rank holds (`held`: its parameter, gradient and optimizer bytes), once
@@ -64,26 +93,60 @@ class TrainLog:
 
     def write(self, window: MetricWindow, step: int, epoch: int, total_steps: int, lr: float,
               bar: ProgressBar) -> None:
-        """Reduce the window's numbers over ranks and write one train line. The step's only host sync."""
-        ctx = self.ctx
-        # The window's numbers come to the host here, once; one gather on the CPU control group then gives
-        # every rank every rank's sums and timings: a single collective per log step.
-        loss_sum, count, bad_loss = torch.stack([window.loss, window.count, window.bad_loss]).tolist()
-        window_base = (step - 1) // window.log_interval * window.log_interval
-        bad_steps = [window_base + i + 1 for i, flag in enumerate(window.bad_steps.tolist()) if flag]
-        elapsed = time.perf_counter() - window.started
+        """Start the train line of the window that ends at `step`; `finish` completes it. All ranks.
+
+        Nothing here waits: the window's device numbers start for the host (on CUDA into pinned memory, no
+        sync) and, where they are on the host already (CPU), the gather of every rank's numbers starts on the
+        control group. `finish`, at the next step boundary, finds both done, so a log step stalls no rank.
+        """
+        self.finish()
+        values = torch.cat([torch.stack([window.loss, window.count, window.bad_loss, window.last_norm.double()]),
+                            window.bad_steps.double()])
+        if self.clock.cuda:
+            if self._host is None or self._host.shape != values.shape:
+                self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            values = self._host.copy_(values, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            ready = None
+        pending = _Pending(step=step, epoch=epoch, total_steps=total_steps, lr=lr, bar=bar, values=values,
+                           ready=ready, log_interval=window.log_interval, spans=window.spans,
+                           elapsed=time.perf_counter() - window.started, data_wait=window.data_wait,
+                           units=window.units, util=self.gpu.read())  # NVML's samples of this window
+        if ready is None:
+            self._start_gather(pending)
+        self._pending = pending
+
+    def _start_gather(self, p: _Pending) -> None:
+        """Every rank's sums and timings, one all-gather on the control group, started (not waited for)."""
+        if p.ready is not None:
+            p.ready.synchronize()  # the copy (and every span's events) finished while the next step ran
+        p.loss_sum, p.count, p.bad_loss, p.norm = p.values[:4].tolist()
         # Times cover the steps this process ran; after a resume the restored window also holds steps that
         # the previous process timed.
-        steps = max(len(window.spans), 1)
-        breakdown = {"fwd_bwd": 0.0, "optimizer": 0.0, "forward": 0.0}
-        for spans in window.spans:
+        steps = max(len(p.spans), 1)
+        for spans in p.spans:
             for name, start, end in spans:
-                breakdown[name] += self.clock.seconds(start, end)
+                p.breakdown[name] += self.clock.seconds(start, end)
         # Per-rank timing for straggler detection: step time, data wait and own time (data wait + forward).
-        own = (window.data_wait + breakdown["forward"]) / steps
-        util = self.gpu.read()  # NVML's samples of this window, [] without CUDA
-        rows = ctx.gather_floats([loss_sum, count, bad_loss, elapsed / steps, window.data_wait / steps, own,
-                                  window.units, sum(util) / len(util) if util else math.nan])
+        own = (p.data_wait + p.breakdown["forward"]) / steps
+        mine = [p.loss_sum, p.count, p.bad_loss, p.elapsed / steps, p.data_wait / steps, own, p.units,
+                sum(p.util) / len(p.util) if p.util else math.nan]
+        p.gather = self.ctx.start_gather_floats(mine)
+
+    def finish(self) -> None:
+        """Write the train line that `write` started, if any. All ranks, at the same step boundaries."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        if p.gather is None:
+            self._start_gather(p)
+        rows = p.gather()
+        ctx, step = self.ctx, p.step
+        window_base = (step - 1) // p.log_interval * p.log_interval
+        flags = p.values[4:].tolist()
+        bad_steps = [window_base + i + 1 for i, flag in enumerate(flags) if flag]
         loss_sum, count = sum(r[0] for r in rows), sum(r[1] for r in rows)
         bad_loss_ranks = [rank for rank, r in enumerate(rows) if r[2] > 0]
         if (bad_steps or bad_loss_ranks) and ctx.is_main:
@@ -92,19 +155,19 @@ class TrainLog:
                         bad_steps, where)
         if not ctx.is_main:
             return
-        ran = len(window.spans)
+        steps, ran, elapsed = max(len(p.spans), 1), len(p.spans), p.elapsed
         samples_per_sec = ran * self.global_batch_size / elapsed if elapsed > 0 else 0.0
         record = {
-            "time": time.time(), "step": step, "epoch": epoch, "split": "train",
+            "time": time.time(), "step": step, "epoch": p.epoch, "split": "train",
             "loss": loss_sum / count if count else float("nan"),
-            "lr": lr,
+            "lr": p.lr,
             "samples_per_sec": samples_per_sec,
             "samples_per_sec_per_rank": samples_per_sec / ctx.world_size,
-            "grad_norm": float(window.last_norm),
+            "grad_norm": p.norm,
             "step_time_s": elapsed / steps,
-            "data_wait_s": window.data_wait / steps,
-            "fwd_bwd_s": breakdown["fwd_bwd"] / steps,
-            "optimizer_s": breakdown["optimizer"] / steps,
+            "data_wait_s": p.data_wait / steps,
+            "fwd_bwd_s": p.breakdown["fwd_bwd"] / steps,
+            "optimizer_s": p.breakdown["optimizer"] / steps,
             "peak_mem_mb": perf.peak_memory_mb(ctx.device),
             "nonfinite_steps": len(bad_steps),
             **self._straggler_fields([r[3:6] for r in rows]),
@@ -118,11 +181,11 @@ class TrainLog:
             record["mfu"] = mfu
         if self.gpu.enabled:
             self._utilisation(record, [r[7] for r in rows])
-        self.sinks.write(record)
-        log.info("train step %d/%d epoch %d: loss %.4f lr %.4g %.1f samples/s (data wait %.1f%%)",
-                 step, total_steps, epoch, record["loss"], lr, samples_per_sec,
-                 100 * record["data_wait_s"] / max(record["step_time_s"], 1e-9))
-        bar.update(step, epoch, record["loss"], samples_per_sec)
+        line = (f"train step {step}/{p.total_steps} epoch {p.epoch}: loss {record['loss']:.4f} lr {p.lr:.4g} "
+                f"{samples_per_sec:.1f} samples/s (data wait "
+                f"{100 * record['data_wait_s'] / max(record['step_time_s'], 1e-9):.1f}%)")
+        self.sinks.write(record, announce=line)  # logged by the writer thread: the handlers' writes cost ~1 ms
+        p.bar.update(step, p.epoch, record["loss"], samples_per_sec)
 
     def _utilisation(self, record: dict[str, Any], by_rank: list[float]) -> None:
         """The ranks' mean GPU utilisation into the record, and a warning when it stays low (rank 0)."""
