@@ -299,3 +299,39 @@ def test_tensorboard_missing_is_a_usage_error_at_the_edge(monkeypatch, capsys, t
     assert code == 2 and len(err) == 1
     assert "pip install 'ddptrain[tensorboard]'" in err[0]
     assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+def test_a_log_step_writes_its_line_at_the_next_boundary_and_loses_none(tmp_path):
+    """TrainLog.write only starts a line (the gather, or on CUDA the copy to the host); finish writes it. A
+    write while a line is pending finishes that one first: every log step gets its line, in order."""
+    from ddptrain.distributed import distributed
+    from ddptrain.observe.metrics import MetricSinks, ProgressBar
+    from ddptrain.observe.train_log import Clock, TrainLog
+    from ddptrain.state import MetricWindow
+
+    cpu = torch.device("cpu")
+    with distributed("gloo", 30, tmp_path) as ctx:
+        sinks = MetricSinks(tmp_path, tensorboard=False)
+        log = TrainLog(ctx, sinks, Clock(cpu), global_batch_size=8, unit="samples", flops_per_sample=0.0,
+                       peak_tflops=0.0, straggler_skew=3.0)
+        window, bar = MetricWindow(cpu, 2), ProgressBar(False, 6, initial=0)
+        for step in range(1, 7):
+            window.add_loss(torch.tensor(float(step)))
+            window.end_step(step, torch.tensor(False), torch.tensor(0.5), [("fwd_bwd", 0.0, 0.001)])
+            if step % 2 == 0:
+                log.write(window, step, 0, 6, 0.1, bar)
+                window.reset()
+                if step == 2:
+                    log.finish()  # the boundary after: the line of step 2 is complete here
+                    log.finish()  # nothing pending: a no-op
+        sinks.close()
+        before_finish = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+        sinks = MetricSinks(tmp_path, tensorboard=False)
+        log.sinks = sinks
+        log.finish()
+        sinks.close()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert before_finish == [2, 4]  # step 4's line was finished by the write of step 6; 6 is still pending
+    assert [r["step"] for r in rows] == [2, 4, 6]
+    assert [r["loss"] for r in rows] == [1.5, 3.5, 5.5]  # each window's own losses
+    assert all(r["grad_norm"] == 0.5 and r["nonfinite_steps"] == 0 for r in rows)
