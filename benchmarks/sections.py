@@ -136,15 +136,18 @@ def overhead(size: str, work: Path) -> Plan:
             calls = res["calls_s"]
             note = (f"ddptrain {1000 * (ours - theirs):+.2f} ms per step vs the raw loop's {fmt_ms(theirs)} step "
                     f"(medians of {block}-step blocks); rank 0 spends {fmt_ms(calls['_between_steps']['median_s'])} "
-                    "per step between steps (the control vote, every --control_interval steps) and "
-                    f"{fmt_ms(calls['_log_train']['median_s'])} per log step (median call).")
+                    "per step between steps (the control vote, every --control_interval steps), "
+                    f"{fmt_ms(calls['_log_train']['median_s'])} per log step (median call) and "
+                    f"{fmt_ms(calls['finish']['total_s'] / max(calls['_log_train']['count'], 1))} per line to finish "
+                    "it at the next step boundary (mean).")
             if key == "overhead_lm":
                 note = lm_note(flags, res) + " " + note
             if not passed and key == "overhead_observed":
-                note += (" MISS: every 10th step is a log step: a device->host read of the loss sums, one "
-                         "gather of every rank's sums and timings, a JSON line, ~15 TensorBoard scalars and a log "
-                         "line; every micro-step writes a sample-id line — a fixed CPU cost (rank 0's share "
-                         "stalls both ranks), so the ratio rises with step time.")
+                note += (" MISS: every 10th step is a log step: a device->host read of the loss sums and a "
+                         "gather of every rank's sums and timings started, waited for at the next boundary; a "
+                         "JSON line, ~15 TensorBoard scalars and a log line on the writer thread; every "
+                         "micro-step writes a sample-id line — a fixed CPU cost on cores the training shares, "
+                         "so the ratio rises with step time.")
             elif not passed:
                 note += (" MISS: ddptrain adds the global gradient norm (non-finite guard) and on-device loss "
                          "sums per step, a tiny CPU all-reduce on the control group every --control_interval "

@@ -164,6 +164,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
     spent: dict[str, list[float]] = {}
     if mode in ("interleave", "accumulate"):
         spent = time_calls(trainer, ("_between_steps", "_log_train"))
+        spent.update(time_calls(trainer.train_log, ("finish",)))  # a log step's line, at the boundary after it
         raw = raw_loop_for(cfg, ctx, sync_every_micro_step=mode == "accumulate")
         callback: Any = Interleave(ctx.device, job["block_steps"], raw.run, job.get("settle_s", 0.1),
                                    max_blocks=job["blocks"])
@@ -201,8 +202,8 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
             result["comm"] = comm_timer.per_step(callback.times)
         if job.get("handoff_probe"):
             result["handoff_s"] = handoff_seconds(trainer.train_loader)
-    result["calls_s"] = {name: {"count": len(times), "median_s": statistics.median(times) if times else 0.0}
-                         for name, times in spent.items()}
+    result["calls_s"] = {name: {"count": len(times), "median_s": statistics.median(times) if times else 0.0,
+                                "total_s": sum(times)} for name, times in spent.items()}
     for side, counter in counters.items():
         result[f"{side}_calls_by_micro"] = {str(k): v for k, v in sorted(counter.calls.items())}
     if ctx.is_main:
