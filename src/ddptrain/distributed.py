@@ -287,23 +287,20 @@ def _teardown(failed: bool, run_dir: Path, rank: int) -> list[Any]:
     if not dist.is_initialized():
         return []
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    aborting = failed and abort is not None
+    what = "aborting" if aborting else "destroying"
+    log.debug("%s the process groups%s", what, " after a failure" if aborting else "")
     held: list[Any] = []
-    if failed and abort is not None:
-        log.debug("aborting the process groups after a failure")
-        end, what = abort, "aborting"
-    else:
-        log.debug("destroying the process groups")
-        what = "destroying"
-
-        def end() -> None:
-            held.extend(_quiesce_gloo_groups())
-            dist.destroy_process_group()
     cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def run() -> None:
         if cuda_device is not None:  # a new thread starts on device 0
             torch.cuda.set_device(cuda_device)
-        end()
+        if aborting:
+            abort()
+        else:
+            held.extend(_quiesce_gloo_groups())
+            dist.destroy_process_group()
 
     ender = threading.Thread(target=run, name="ddptrain-teardown", daemon=True)
     ender.start()
@@ -332,6 +329,7 @@ def _quiesce_gloo_groups() -> list[Any]:
     the hang seen at the end of finished runs, main thread in ~ProcessGroupGloo, a gloo thread waiting for
     the GIL in ~AsyncAllgatherWork. Waiting here releases the GIL, so every such thread finishes first;
     and these last works' tensors stay Python's until the groups are gone, so freeing them needs nothing.
+    A peer that failed after the last collective never joins: this rank then waits out TEARDOWN_TIMEOUT_S.
     """
     world = getattr(dist.distributed_c10d, "_world", None)
     names: dict = getattr(world, "pg_names", {}) or {}

@@ -38,8 +38,8 @@ class MetricSinks:
     """Rank 0 only. Appends one JSON object per line and mirrors numbers to TensorBoard, on a writer thread.
 
     Formatting a line, a dozen TensorBoard summaries and the log line that announces it cost milliseconds;
-    on the training thread they would hold up every rank at the next collective. `close` drains the queue, so no line is lost when a
-    run ends or fails.
+    on the training thread they would hold up every rank at the next collective. `close` drains the queue,
+    so no line is lost when a run ends or fails.
     """
 
     def __init__(self, run_dir: Path, tensorboard: bool):

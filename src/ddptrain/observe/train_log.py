@@ -56,9 +56,6 @@ class _Pending:
     units: int
     util: list[float]
     breakdown: dict[str, float] = field(default_factory=lambda: {"fwd_bwd": 0.0, "optimizer": 0.0, "forward": 0.0})
-    loss_sum: float = 0.0
-    count: float = 0.0
-    bad_loss: float = 0.0
     norm: float = 0.0
     gather: Callable[[], list[list[float]]] | None = None
 
@@ -122,7 +119,7 @@ class TrainLog:
         """Every rank's sums and timings, one all-gather on the control group, started (not waited for)."""
         if p.ready is not None:
             p.ready.synchronize()  # the copy (and every span's events) finished while the next step ran
-        p.loss_sum, p.count, p.bad_loss, p.norm = p.values[:4].tolist()
+        loss_sum, count, bad_loss, p.norm = p.values[:4].tolist()
         # Times cover the steps this process ran; after a resume the restored window also holds steps that
         # the previous process timed.
         steps = max(len(p.spans), 1)
@@ -131,7 +128,7 @@ class TrainLog:
                 p.breakdown[name] += self.clock.seconds(start, end)
         # Per-rank timing for straggler detection: step time, data wait and own time (data wait + forward).
         own = (p.data_wait + p.breakdown["forward"]) / steps
-        mine = [p.loss_sum, p.count, p.bad_loss, p.elapsed / steps, p.data_wait / steps, own, p.units,
+        mine = [loss_sum, count, bad_loss, p.elapsed / steps, p.data_wait / steps, own, p.units,
                 sum(p.util) / len(p.util) if p.util else math.nan]
         p.gather = self.ctx.start_gather_floats(mine)
 
