@@ -105,6 +105,17 @@ def test_one_device_has_no_communication():
     assert (p.comm_s, p.step_s, p.efficiency) == (0.0, 0.1, 1.0)
 
 
+def test_overlap_never_predicts_a_slower_step_than_no_overlap():
+    # One bucket, ready at the end of backward: exposed = (backward + t) - backward, which rounds above t
+    # for some inputs; a CI run of the bench's scaling row had efficiency_no_overlap 1 ulp above efficiency.
+    for i in range(1, 500):
+        work = plan.Workload(step_s=0.01 + i * 1e-5, backward_fraction=0.6, grad_bytes=1000 + 7 * i,
+                             busbw_bytes_per_s=1e9, latency_s=1e-5)
+        p = plan.predict(work, 2)
+        assert p.num_buckets == 1 and p.exposed_s <= p.comm_s
+        assert p.step_s <= p.step_no_overlap_s and p.efficiency_no_overlap <= p.efficiency
+
+
 def test_efficiency_falls_with_scale():
     effs = [plan.predict(_work(10e9), n).efficiency for n in plan.DEFAULT_GPUS]
     assert effs == sorted(effs, reverse=True) and 0 < effs[-1] < effs[0] < 1

@@ -161,7 +161,9 @@ def predict(work: Workload, world_size: int) -> Prediction:
         t = ring_all_reduce_s(size, world_size, work.busbw_bytes_per_s, work.latency_s)
         end = max(ready, end) + t  # buckets go one after another, each once it is ready
         comm += t
-    exposed = max(0.0, end - backward)
+    # exposed <= comm exactly; (backward + t) - backward can round above t, and the bound keeps
+    # step <= no_overlap (efficiency >= efficiency_no_overlap) in floating point too
+    exposed = min(comm, max(0.0, end - backward))
     step = work.step_s + exposed
     no_overlap = work.step_s + comm
     fsdp_comm, fsdp_step = predict_fsdp(work, world_size)
