@@ -15,9 +15,12 @@ All callbacks run on every rank at the same boundary, so a collective inside one
 
 from __future__ import annotations
 
+import os
 import statistics
+import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -61,11 +64,83 @@ class Timeline:
         return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
+# --- where the CPU goes ----------------------------------------------------------------------------
+
+CPU_KINDS = ("training thread", "ddptrain threads", "torch threads", "loader workers")
+
+
+def _schedstat(task_dir: Path) -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for one) of one thread, from the kernel's schedstat."""
+    try:
+        run, wait, _ = (task_dir / "schedstat").read_text().split()
+        return int(run), int(wait)
+    except (OSError, ValueError):  # the thread ended, or no schedstat (not Linux)
+        return 0, 0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for task in os.listdir(f"/proc/{pid}/task")
+                for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+class CpuAccount:
+    """CPU time by kind of thread in this process and its children, from /proc (Linux; nothing elsewhere).
+
+    Wall time says how much slower a side is; this says where: the training thread's own time, ddptrain's
+    helper threads (named ddptrain-*: batches, metrics, watchdog), torch's threads (gloo's loops, the
+    store), and the DataLoader workers (child processes, every thread of theirs). The training thread's
+    wait is the time it was runnable but had no core: on a saturated machine, what the others cost it.
+    Nanosecond counters (schedstat), not the 10 ms ticks of /proc/*/stat.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.training = threading.get_native_id()  # created on the training thread
+
+    def snapshot(self) -> dict[str, list[int]]:
+        named = {t.native_id: t.name for t in threading.enumerate()}
+        out = {kind: [0, 0] for kind in CPU_KINDS}
+        out["training thread wait"] = [0, 0]
+        tasks = Path(f"/proc/{self.pid}/task")
+        for entry in (os.listdir(tasks) if tasks.is_dir() else []):
+            tid = int(entry)
+            run, wait = _schedstat(tasks / entry)
+            if tid == self.training:
+                kind = "training thread"
+                out["training thread wait"][0] += wait
+            elif named.get(tid, "").startswith("ddptrain-"):
+                kind = "ddptrain threads"
+            elif tid in named:
+                continue  # other Python threads (the harness's own, none in a training step)
+            else:
+                kind = "torch threads"
+            out[kind][0] += run
+        for child in _children(self.pid):
+            for entry in (os.listdir(f"/proc/{child}/task") if Path(f"/proc/{child}/task").is_dir() else []):
+                out["loader workers"][0] += _schedstat(Path(f"/proc/{child}/task/{entry}"))[0]
+        return out
+
+    @staticmethod
+    def spent(before: dict[str, list[int]], after: dict[str, list[int]]) -> dict[str, float]:
+        """Seconds of each kind between two snapshots (a thread that ended in between is not counted)."""
+        return {kind: max(0, after[kind][0] - before[kind][0]) / 1e9 for kind in after}
+
+
+def cpu_ms_per_step(blocks: list[dict[str, float]], steps: int) -> dict[str, float]:
+    """Blocks' seconds by kind, summed, as milliseconds per step."""
+    kinds = blocks[0].keys() if blocks else ()
+    return {kind: 1000 * sum(b[kind] for b in blocks) / max(steps, 1) for kind in kinds}
+
+
 class Interleave:
     """At every K-th boundary: close ddptrain's block of K steps, run K raw-loop steps, open the next block.
 
     A short pause before each block lets the other side's loader workers finish refilling their prefetch
-    queues, so neither side's data loading runs on the other's clock. Pauses are not timed.
+    queues, so neither side's data loading runs on the other's clock. Pauses are not timed. Each block's
+    CPU time by kind of thread (`CpuAccount`) is read outside the timed spans.
     """
 
     def __init__(self, device: torch.device, block_steps: int, run_other: Callable[[int], float], settle_s: float,
@@ -75,7 +150,10 @@ class Interleave:
         self.ours: list[float] = []  # seconds of each ddptrain block
         self.theirs: list[float] = []  # seconds of the raw block that followed it
         self.peak_mb: dict[str, float] = {"ours": 0.0, "theirs": 0.0}  # CUDA: allocator peak during each side's blocks
+        self.cpu: dict[str, list[dict[str, float]]] = {"ours": [], "theirs": []}  # per block, CpuAccount.spent
+        self._account = CpuAccount()
         self._opened: float | None = None
+        self._opened_cpu: dict[str, list[int]] = {}
 
     def _peak(self, side: str) -> None:
         if self.device.type == "cuda":
@@ -90,13 +168,17 @@ class Interleave:
         now = time.perf_counter()
         if self._opened is not None:
             self.ours.append(now - self._opened)
+            self.cpu["ours"].append(self._account.spent(self._opened_cpu, self._account.snapshot()))
             self._peak("ours")
             time.sleep(self.settle_s)
+            before = self._account.snapshot()
             self.theirs.append(self.run_other(self.block_steps))
+            self.cpu["theirs"].append(self._account.spent(before, self._account.snapshot()))
             self._peak("theirs")
             if len(self.ours) == self.max_blocks:
                 return
         time.sleep(self.settle_s)
+        self._opened_cpu = self._account.snapshot()
         self._opened = time.perf_counter()
 
 

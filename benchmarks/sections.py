@@ -18,6 +18,7 @@ import numpy as np
 
 from benchmarks.common import (Launch, Plan, Row, bench_env, fmt_ms, median, paired_ratios, quartiles, run_logged,
                                torchrun_cmd)
+from benchmarks.probe import CPU_KINDS, cpu_ms_per_step
 from ddptrain import plan as scaling_model
 from ddptrain.doctor import bus_bandwidth
 
@@ -102,6 +103,22 @@ def spread(values: list[float]) -> str:
     return f"IQR {q1:.3f}-{q3:.3f}, n={len(values)}"
 
 
+def cpu_by_side(res: dict[str, Any], warmup: int, block: int) -> dict[str, dict[str, float]]:
+    """Rank 0's CPU milliseconds per step by kind of thread, for each side's timed blocks."""
+    return {side: cpu_ms_per_step(blocks[warmup:], block * len(blocks[warmup:]))
+            for side, blocks in res["cpu_s"].items()}
+
+
+def cpu_note(cpu: dict[str, dict[str, float]]) -> str:
+    """Where the CPU went, ddptrain vs the raw loop (empty where /proc could not tell)."""
+    ours, theirs = cpu["ours"], cpu["theirs"]
+    if not ours.get("training thread"):
+        return ""
+    kinds = ", ".join(f"{kind} {ours[kind]:.2f} vs {theirs[kind]:.2f}" for kind in CPU_KINDS)
+    return (f"CPU per step on rank 0, ddptrain vs raw, ms: {kinds}; the training thread waited for a core "
+            f"{ours['training thread wait']:.2f} vs {theirs['training thread wait']:.2f}.")
+
+
 def _settle(size: str) -> float:
     return 0.02 if size == "tiny" else 0.1
 
@@ -140,6 +157,8 @@ def overhead(size: str, work: Path) -> Plan:
                     f"{fmt_ms(calls['_log_train']['median_s'])} per log step (median call) and "
                     f"{fmt_ms(calls['finish']['total_s'] / max(calls['_log_train']['count'], 1))} per line to finish "
                     "it at the next step boundary (mean).")
+            cpu = cpu_by_side(res, warmup, block)
+            note = " ".join(filter(None, [note, cpu_note(cpu)]))
             if key == "overhead_lm":
                 note = lm_note(flags, res) + " " + note
             if not passed and key == "overhead_observed":
@@ -162,7 +181,8 @@ def overhead(size: str, work: Path) -> Plan:
             rows.append(Row(key, label, *speeds,
                             f"{ratio:.3f} ({spread(ratios)})", f">= {target}", passed, note,
                             {"ratios": ratios, "ddptrain_step_s": ours, "raw_step_s": theirs, "block_steps": block,
-                             "ours_s": res["ours_s"], "theirs_s": res["theirs_s"], "calls_s": calls}))
+                             "ours_s": res["ours_s"], "theirs_s": res["theirs_s"], "calls_s": calls,
+                             "cpu_ms_per_step": cpu}))
         return rows
 
     return Plan(launches, finish)
@@ -483,10 +503,13 @@ def sharding(size: str, work: Path) -> Plan:
             note += (" MISS: under fsdp ddptrain also computes the global gradient norm over the shards (one more "
                      "all-reduce) and reads it on the host every step for the non-finite guard (the foreach "
                      "optimizer of sharded parameters has no on-device skip), besides the per-step control vote.")
+        cpu = cpu_by_side(res, warmup, block)
+        note = " ".join(filter(None, [note, cpu_note(cpu)]))
         rows = [Row("overhead_fsdp", "overhead, --strategy fsdp", f"{1 / ours:.2f} steps/s",
                     f"{1 / theirs:.2f} steps/s (raw FSDP2)", f"{ratio:.3f} ({spread(ratios)})", f">= {FSDP_TARGET}",
                     ratio >= FSDP_TARGET, note,
-                    {"ratios": ratios, "ddptrain_step_s": ours, "raw_step_s": theirs, "block_steps": block})]
+                    {"ratios": ratios, "ddptrain_step_s": ours, "raw_step_s": theirs, "block_steps": block,
+                     "cpu_ms_per_step": cpu})]
         [pair] = results["fsdp_vs_ddp"]
         fsdp_s, ddp_s = (median(pair[k][warmup:]) / block for k in ("a_s", "b_s"))
         held = {side: sum(pair[f"{side}_memory"].values()) for side in ("a", "b")}

@@ -191,6 +191,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
         result["ours_s"], result["theirs_s"] = callback.ours, callback.theirs
         result["raw_steps"] = len(callback.theirs) * job["block_steps"]
         result["peak_mb"] = callback.peak_mb
+        result["cpu_s"] = callback.cpu  # rank 0's CPU by kind of thread, per block of each side
         result["global_batch_size"] = trainer.layout.global_batch_size
         result["flops_per_sample"], result["peak_tflops"] = trainer.flops_per_sample, trainer.peak_tflops
     elif isinstance(callback, SaveSchedule):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from benchmarks.common import Row, paired_ratios, render_table
-from benchmarks.probe import Interleave, StepProbe
+from benchmarks.probe import CpuAccount, Interleave, StepProbe
 from helpers import REPO
 
 SECTION_KEYS = {"overhead", "overhead_observed", "overhead_lm", "accumulation", "checkpoint", "data_synthetic", "data_cifar",
@@ -62,6 +62,10 @@ def test_interleaved_comparisons_pair_every_block(tiny_bench):
         assert len(data["ours_s"]) == len(data["theirs_s"]) == len(data["ratios"]) + 1  # one warm-up pair
         assert all(t > 0 and math.isfinite(t) for t in data["ours_s"] + data["theirs_s"])
         assert data["calls_s"]["_between_steps"]["count"] > 0
+        for side in ("ours", "theirs"):  # rank 0's CPU by kind of thread, per step of its timed blocks
+            cpu = data["cpu_ms_per_step"][side]
+            assert cpu["training thread"] > 0 and all(v >= 0 for v in cpu.values()), cpu
+        assert "CPU per step on rank 0" in rows[key]["note"]
 
 
 def test_accumulation_counts_gradient_communication_per_micro_step(tiny_bench):
@@ -125,6 +129,39 @@ def test_interleave_runs_the_other_side_every_k_steps_and_stops():
         trainer.position.step += 1
     assert trainer.read == list(range(20)) and probe.taken == 20  # the same batches, in order
     assert len(interleave.ours) == 3 and interleave.theirs == [0.5] * 3 and ran == [2, 2, 2]
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat"),
+                    reason="needs Linux's /proc/<pid>/task/<tid>/schedstat")
+def test_cpu_account_charges_each_kind_of_thread_its_own_cpu():
+    """A ddptrain-* helper thread and a child process burn CPU while the calling thread sleeps."""
+    import threading
+    import time
+
+    def burn(seconds: float, clock=time.thread_time) -> None:
+        start = clock()
+        while clock() - start < seconds:
+            pass
+
+    account = CpuAccount()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile time.process_time() < 0.4: pass\n"
+                              "time.sleep(30)"])
+    try:
+        done = threading.Event()
+        helper = threading.Thread(target=lambda: (burn(0.3), done.wait(30)), name="ddptrain-burner")
+        before = account.snapshot()
+        helper.start()
+        time.sleep(1.0)  # both finish their burn meanwhile (the child's includes its interpreter's start)
+        after = account.snapshot()
+        done.set()
+        helper.join()
+    finally:
+        child.kill()
+        child.wait()
+    spent = account.spent(before, after)
+    assert 0.28 <= spent["ddptrain threads"] < 0.5, spent
+    assert 0.2 <= spent["loader workers"] < 0.8, spent  # what the child ran after `before`
+    assert spent["training thread"] < 0.1 and spent["torch threads"] < 0.1, spent
 
 
 class StepsOfTwo:
