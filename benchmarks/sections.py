@@ -103,10 +103,27 @@ def spread(values: list[float]) -> str:
     return f"IQR {q1:.3f}-{q3:.3f}, n={len(values)}"
 
 
-def cpu_by_side(res: dict[str, Any], warmup: int, block: int) -> dict[str, dict[str, float]]:
-    """Rank 0's CPU milliseconds per step by kind of thread, for each side's timed blocks."""
-    return {side: cpu_ms_per_step(blocks[warmup:], block * len(blocks[warmup:]))
-            for side, blocks in res["cpu_s"].items()}
+PHASES = ("forward", "backward", "optimizer", "receiving batches")
+
+
+def cpu_by_side(res: dict[str, Any], warmup: int, block: int, key: str = "cpu_s") -> dict[str, dict[str, float]]:
+    """Rank 0's CPU milliseconds per step for each side's timed blocks: by kind of thread ("cpu_s") or the
+    training thread's by phase ("phase_cpu_s", with "rest": its total less the phases)."""
+    out = {side: cpu_ms_per_step(blocks[warmup:], block * len(blocks[warmup:]))
+           for side, blocks in res[key].items()}
+    if key == "phase_cpu_s":
+        for ms in out.values():
+            ms["rest"] = ms.get("total", 0.0) - sum(ms.get(phase, 0.0) for phase in PHASES)
+    return out
+
+
+def phase_note(phases: dict[str, dict[str, float]]) -> str:
+    """The training thread's CPU by phase, ddptrain vs the raw loop."""
+    ours, theirs = phases["ours"], phases["theirs"]
+    parts = ", ".join(f"{phase} {ours.get(phase, 0.0):.2f} vs {theirs.get(phase, 0.0):.2f}"
+                      for phase in (*PHASES, "rest"))
+    return (f"The training thread's CPU by phase, ms per step: {parts} (the rest: ddptrain's guard, loss "
+            "sums, logging and schedule; the raw loop's zero_grad).")
 
 
 def cpu_note(cpu: dict[str, dict[str, float]]) -> str:
@@ -157,8 +174,8 @@ def overhead(size: str, work: Path) -> Plan:
                     f"{fmt_ms(calls['_log_train']['median_s'])} per log step (median call) and "
                     f"{fmt_ms(calls['finish']['total_s'] / max(calls['_log_train']['count'], 1))} per line to finish "
                     "it at the next step boundary (mean).")
-            cpu = cpu_by_side(res, warmup, block)
-            note = " ".join(filter(None, [note, cpu_note(cpu)]))
+            cpu, phases = cpu_by_side(res, warmup, block), cpu_by_side(res, warmup, block, "phase_cpu_s")
+            note = " ".join(filter(None, [note, cpu_note(cpu), phase_note(phases)]))
             if key == "overhead_lm":
                 note = lm_note(flags, res) + " " + note
             if not passed and key == "overhead_observed":
@@ -182,7 +199,7 @@ def overhead(size: str, work: Path) -> Plan:
                             f"{ratio:.3f} ({spread(ratios)})", f">= {target}", passed, note,
                             {"ratios": ratios, "ddptrain_step_s": ours, "raw_step_s": theirs, "block_steps": block,
                              "ours_s": res["ours_s"], "theirs_s": res["theirs_s"], "calls_s": calls,
-                             "cpu_ms_per_step": cpu}))
+                             "cpu_ms_per_step": cpu, "phase_cpu_ms_per_step": phases}))
         return rows
 
     return Plan(launches, finish)
@@ -503,13 +520,13 @@ def sharding(size: str, work: Path) -> Plan:
             note += (" MISS: under fsdp ddptrain also computes the global gradient norm over the shards (one more "
                      "all-reduce) and reads it on the host every step for the non-finite guard (the foreach "
                      "optimizer of sharded parameters has no on-device skip), besides the per-step control vote.")
-        cpu = cpu_by_side(res, warmup, block)
-        note = " ".join(filter(None, [note, cpu_note(cpu)]))
+        cpu, phases = cpu_by_side(res, warmup, block), cpu_by_side(res, warmup, block, "phase_cpu_s")
+        note = " ".join(filter(None, [note, cpu_note(cpu), phase_note(phases)]))
         rows = [Row("overhead_fsdp", "overhead, --strategy fsdp", f"{1 / ours:.2f} steps/s",
                     f"{1 / theirs:.2f} steps/s (raw FSDP2)", f"{ratio:.3f} ({spread(ratios)})", f">= {FSDP_TARGET}",
                     ratio >= FSDP_TARGET, note,
                     {"ratios": ratios, "ddptrain_step_s": ours, "raw_step_s": theirs, "block_steps": block,
-                     "cpu_ms_per_step": cpu})]
+                     "cpu_ms_per_step": cpu, "phase_cpu_ms_per_step": phases})]
         [pair] = results["fsdp_vs_ddp"]
         fsdp_s, ddp_s = (median(pair[k][warmup:]) / block for k in ("a_s", "b_s"))
         held = {side: sum(pair[f"{side}_memory"].values()) for side in ("a", "b")}

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.probe import CommCounter, CommTimer, Interleave, SaveSchedule, StepProbe, Timeline
+from benchmarks.probe import CommCounter, CommTimer, Interleave, PhaseClock, SaveSchedule, StepProbe, Timeline
 from benchmarks.raw_loop import LOSSES, RawLoop, sync_device
 from ddptrain.config import TrainConfig, resolve_config
 from ddptrain.data import build_datasets
@@ -130,6 +130,20 @@ def time_calls(obj: Any, names: tuple[str, ...]) -> dict[str, list[float]]:
     return spent
 
 
+def phase_clock(trainer: Trainer, raw: RawLoop) -> PhaseClock:
+    """Time the training thread's CPU in the same phases of both sides: forward (the loss of a batch),
+    backward (`Tensor.backward`, for this job), the optimizer's step and receiving batches (the raw loop
+    reads its loader; ddptrain's reads are timed by StepProbe)."""
+    clock = PhaseClock()
+    clock.wrap(trainer.task, "loss", "forward")
+    clock.wrap(raw, "loss_of", "forward")
+    clock.wrap(torch.Tensor, "backward", "backward")
+    clock.wrap(trainer.optimizer, "step", "optimizer")
+    clock.wrap(raw.optimizer, "step", "optimizer")
+    clock.wrap(raw, "_next_batch", "receiving batches")
+    return clock
+
+
 def handoff_seconds(loader: Any, fetches: int = 6) -> float:
     """Median seconds `next()` takes when the workers are ahead: the cost of receiving a ready batch."""
     batches = iter(loader)
@@ -162,17 +176,20 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
     mode = job["mode"]
     counters: dict[str, CommCounter] = {}
     spent: dict[str, list[float]] = {}
+    clock = None
+    backward = torch.Tensor.backward
     if mode in ("interleave", "accumulate"):
         spent = time_calls(trainer, ("_between_steps", "_log_train"))
         spent.update(time_calls(trainer.train_log, ("finish",)))  # a log step's line, at the boundary after it
         raw = raw_loop_for(cfg, ctx, sync_every_micro_step=mode == "accumulate")
+        clock = phase_clock(trainer, raw)
         callback: Any = Interleave(ctx.device, job["block_steps"], raw.run, job.get("settle_s", 0.1),
-                                   max_blocks=job["blocks"])
+                                   max_blocks=job["blocks"], phases=clock)
     elif mode == "checkpoint":
         callback = SaveSchedule(trainer, job["first_save"], job["period"], job["num_saves"])
     else:
         callback = Timeline(ctx.device)
-    probe = StepProbe(trainer, callback)
+    probe = StepProbe(trainer, callback, clock)
     comm_timer = CommTimer(skip=job["comm"] == "skip") if job.get("comm") else None
     if comm_timer is not None and trainer.parallel.ddp is not None:
         trainer.parallel.ddp.register_comm_hook(None, comm_timer.hook)
@@ -185,13 +202,17 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
         raw.ddp.register_comm_hook(None, counters["raw"].hook)
 
     started = time.perf_counter()
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    finally:
+        torch.Tensor.backward = backward  # phase_clock timed it for this job only
     result["steps"] = summary["step"]
     if isinstance(callback, Interleave):
         result["ours_s"], result["theirs_s"] = callback.ours, callback.theirs
         result["raw_steps"] = len(callback.theirs) * job["block_steps"]
         result["peak_mb"] = callback.peak_mb
         result["cpu_s"] = callback.cpu  # rank 0's CPU by kind of thread, per block of each side
+        result["phase_cpu_s"] = callback.phase_cpu  # its training thread's CPU by phase, per block
         result["global_batch_size"] = trainer.layout.global_batch_size
         result["flops_per_sample"], result["peak_tflops"] = trainer.flops_per_sample, trainer.peak_tflops
     elif isinstance(callback, SaveSchedule):

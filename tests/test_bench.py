@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from benchmarks.common import Row, paired_ratios, render_table
-from benchmarks.probe import CpuAccount, Interleave, StepProbe
+from benchmarks.probe import CpuAccount, Interleave, PhaseClock, StepProbe
 from helpers import REPO
 
 SECTION_KEYS = {"overhead", "overhead_observed", "overhead_lm", "accumulation", "checkpoint", "data_synthetic", "data_cifar",
@@ -66,6 +66,10 @@ def test_interleaved_comparisons_pair_every_block(tiny_bench):
             cpu = data["cpu_ms_per_step"][side]
             assert cpu["training thread"] > 0 and all(v >= 0 for v in cpu.values()), cpu
         assert "CPU per step on rank 0" in rows[key]["note"]
+        for side in ("ours", "theirs"):  # the training thread's CPU by phase: each side's own calls
+            phases = data["phase_cpu_ms_per_step"][side]
+            assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0, phases
+            assert phases["total"] >= phases["forward"] + phases["backward"] + phases["optimizer"], phases
 
 
 def test_accumulation_counts_gradient_communication_per_micro_step(tiny_bench):
@@ -162,6 +166,30 @@ def test_cpu_account_charges_each_kind_of_thread_its_own_cpu():
     assert 0.28 <= spent["ddptrain threads"] < 0.5, spent
     assert 0.2 <= spent["loader workers"] < 0.8, spent  # what the child ran after `before`
     assert spent["training thread"] < 0.1 and spent["torch threads"] < 0.1, spent
+
+
+def test_phase_clock_times_each_phase_on_the_calling_thread_only():
+    import threading
+    import time
+
+    def burn(seconds: float) -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < seconds:
+            pass
+
+    holder = SimpleNamespace(work=burn, idle=time.sleep)
+    clock = PhaseClock()
+    clock.wrap(holder, "work", "work")
+    clock.wrap(holder, "idle", "idle")
+    before = clock.reading()
+    holder.work(0.05)
+    holder.idle(0.1)  # sleeping is no CPU
+    helper = threading.Thread(target=burn, args=(0.05,))  # another thread's CPU is not this thread's
+    helper.start()
+    helper.join()
+    after = clock.reading()
+    assert 0.05 <= clock.spent["work"] < 0.08 and clock.spent["idle"] < 0.01, clock.spent
+    assert 0.05 <= after["total"] - before["total"] < 0.08
 
 
 class StepsOfTwo:

@@ -17,8 +17,8 @@ from torch.utils.data import Dataset
 import pipeline_runs as runs
 from helpers import TINY, cli_env, read_jsonl
 from ddptrain.config import TrainConfig
-from ddptrain.data import (BatchLayout, GlobalOrderSampler, SeededSamples, ShardedEvalSampler, SyntheticImages,
-                           draws_from_global_rngs, epoch_order, make_loader)
+from ddptrain.data import (BackgroundBatches, BatchLayout, GlobalOrderSampler, SeededSamples, ShardedEvalSampler,
+                           SyntheticImages, draws_from_global_rngs, epoch_batches, epoch_order, make_loader)
 
 
 def epoch_samples(num_samples: int, layout: BatchLayout, seed: int, epoch: int) -> list[list[list[int]]]:
@@ -212,3 +212,36 @@ def test_trainer_close_stops_persistent_loader_workers_at_once(tmp_path):
     closed = json.loads(proc.stdout.splitlines()[-1])
     assert closed["workers"] == 4, "expected 2 train + 2 eval loader workers alive after fit"
     assert closed["left"] == 0, closed
+
+
+class _FailsAt(Dataset):
+    def __init__(self, size: int, bad: int):
+        self.size, self.bad = size, bad
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == self.bad:
+            raise KeyError(f"sample {i} is broken")
+        return torch.full((3,), float(i))
+
+
+def test_background_batches_are_the_loader_s_in_order_and_a_worker_s_error_reaches_the_training_thread():
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(_FailsAt(12, bad=-1), batch_size=4, num_workers=2)
+    with epoch_batches(loader, background=True) as batches:
+        assert isinstance(batches, BackgroundBatches)
+        received = list(batches)
+    assert [b[:, 0].tolist() for b in received] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+
+    failing = DataLoader(_FailsAt(12, bad=6), batch_size=4, num_workers=2)
+    with pytest.raises(KeyError, match="sample 6 is broken"):
+        with epoch_batches(failing, background=True) as batches:
+            list(batches)
+    # Leaving early (the queue full, the thread blocked in put) stops and joins the thread.
+    with epoch_batches(DataLoader(_FailsAt(64, bad=-1), batch_size=2, num_workers=1), background=True) as batches:
+        next(batches)
+        thread = batches._thread
+    assert not thread.is_alive()
