@@ -76,7 +76,7 @@ class StepProbe:
 
     def _counted(self, batches: Iterator) -> Iterator:
         while True:
-            started = time.thread_time()
+            started = time.thread_time() if self.clock is not None else 0.0
             try:
                 batch = next(batches)
             except StopIteration:
@@ -138,33 +138,33 @@ class CpuAccount:
         self.pid = os.getpid()
         self.training = threading.get_native_id()  # created on the training thread
 
-    def snapshot(self) -> dict[str, list[int]]:
+    def snapshot(self) -> dict[str, int]:
+        """Nanoseconds so far by kind, and "training thread wait"."""
         named = {t.native_id: t.name for t in threading.enumerate()}
-        out = {kind: [0, 0] for kind in CPU_KINDS}
-        out["training thread wait"] = [0, 0]
+        out = dict.fromkeys((*CPU_KINDS, "training thread wait"), 0)
         tasks = Path(f"/proc/{self.pid}/task")
         for entry in (os.listdir(tasks) if tasks.is_dir() else []):
             tid = int(entry)
             run, wait = _schedstat(tasks / entry)
             if tid == self.training:
                 kind = "training thread"
-                out["training thread wait"][0] += wait
+                out["training thread wait"] += wait
             elif named.get(tid, "").startswith("ddptrain-"):
                 kind = "ddptrain threads"
             elif tid in named:
                 continue  # other Python threads (the harness's own, none in a training step)
             else:
                 kind = "torch threads"
-            out[kind][0] += run
+            out[kind] += run
         for child in _children(self.pid):
             for entry in (os.listdir(f"/proc/{child}/task") if Path(f"/proc/{child}/task").is_dir() else []):
-                out["loader workers"][0] += _schedstat(Path(f"/proc/{child}/task/{entry}"))[0]
+                out["loader workers"] += _schedstat(Path(f"/proc/{child}/task/{entry}"))[0]
         return out
 
     @staticmethod
-    def spent(before: dict[str, list[int]], after: dict[str, list[int]]) -> dict[str, float]:
+    def spent(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
         """Seconds of each kind between two snapshots (a thread that ended in between is not counted)."""
-        return {kind: max(0, after[kind][0] - before[kind][0]) / 1e9 for kind in after}
+        return {kind: max(0, after[kind] - before[kind]) / 1e9 for kind in after}
 
 
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -198,7 +198,7 @@ class Interleave:
         self.cpu: dict[str, list[dict[str, float]]] = {"ours": [], "theirs": []}  # per block, CpuAccount.spent
         self._account = CpuAccount()
         self._opened: float | None = None
-        self._opened_cpu: dict[str, list[int]] = {}
+        self._opened_cpu: dict[str, int] = {}
         self._opened_phases: dict[str, float] = {}
 
     def _peak(self, side: str) -> None:
