@@ -29,6 +29,20 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from benchmarks.raw_loop import sync_device
 
 
+def wrap_timed(obj: Any, name: str, clock: Callable[[], float], record: Callable[[float], None]) -> None:
+    """Replace obj.name by the same call that hands `record` the `clock` seconds it took."""
+    method = getattr(obj, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = clock()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            record(clock() - started)
+
+    setattr(obj, name, timed)
+
+
 class PhaseClock:
     """The training thread's CPU seconds (`time.thread_time`) inside wrapped calls, summed by phase.
 
@@ -41,16 +55,11 @@ class PhaseClock:
 
     def wrap(self, obj: Any, name: str, phase: str) -> None:
         """Replace obj.name (a method, or a class's attribute) by a call that is timed as `phase`."""
-        method = getattr(obj, name)
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.thread_time()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.spent[phase] += time.thread_time() - started
+        def add(seconds: float) -> None:
+            self.spent[phase] += seconds
 
-        setattr(obj, name, timed)
+        wrap_timed(obj, name, time.thread_time, add)
 
     def reading(self) -> dict[str, float]:
         """What has been spent so far, by phase, and the thread's whole CPU time as "total"."""

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.probe import CommCounter, CommTimer, Interleave, PhaseClock, SaveSchedule, StepProbe, Timeline
+from benchmarks.probe import (CommCounter, CommTimer, Interleave, PhaseClock, SaveSchedule, StepProbe, Timeline,
+                              wrap_timed)
 from benchmarks.raw_loop import LOSSES, RawLoop, sync_device
 from ddptrain.config import TrainConfig, resolve_config
 from ddptrain.data import build_datasets
@@ -117,16 +118,7 @@ def time_calls(obj: Any, names: tuple[str, ...]) -> dict[str, list[float]]:
     """Wrap obj's methods to record each call's seconds (attributes the overhead; ~1 us per call)."""
     spent: dict[str, list[float]] = {name: [] for name in names}
     for name in names:
-        method = getattr(obj, name)
-
-        def timed(*args: Any, _method: Any = method, _into: list[float] = spent[name], **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return _method(*args, **kwargs)
-            finally:
-                _into.append(time.perf_counter() - started)
-
-        setattr(obj, name, timed)
+        wrap_timed(obj, name, time.perf_counter, spent[name].append)
     return spent
 
 
