@@ -245,3 +245,33 @@ def test_background_batches_are_the_loader_s_in_order_and_a_worker_s_error_reach
         next(batches)
         thread = batches._thread
     assert not thread.is_alive()
+
+
+def test_loader_workers_are_forked_only_once_no_gloo_thread_is_running():
+    """A gloo thread running at a fork may hold CPython's runtime lock (it makes a thread state to free a
+    collective's tensors): the forked loader worker would hang in PyOS_AfterFork_Child on CPython < 3.11.8.
+    `quiet_gloo_threads`, which every loader pass that forks waits on, lets it finish first."""
+    import hashlib
+    import threading
+
+    from ddptrain.distributed import GLOO_THREAD, quiet_gloo_threads
+
+    started, done, release = threading.Event(), threading.Event(), threading.Event()
+
+    def gloo_like() -> None:
+        Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(GLOO_THREAD)
+        started.set()
+        block = bytes(64 << 20)
+        for _ in range(8):
+            hashlib.sha256(block).digest()  # hashing this much runs without the GIL: the thread stays running
+        done.set()
+        release.wait()  # asleep from here on, as an idle gloo thread
+
+    thread = threading.Thread(target=gloo_like, daemon=True)
+    thread.start()
+    started.wait()
+    assert not quiet_gloo_threads(timeout_s=0.05)  # 512 MiB to hash: still running after 50 ms
+    assert quiet_gloo_threads(timeout_s=60)
+    assert done.is_set()
+    release.set()
+    thread.join()

@@ -11,6 +11,7 @@ exactly the samples the uninterrupted run would have seen. Random augmentation i
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import random
@@ -26,7 +27,10 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from ddptrain.batch import collate as collate_items
 from ddptrain.config import TEXT_DATASETS, TrainConfig, load_plugin
+from ddptrain.distributed import quiet_gloo_threads
 from ddptrain.errors import UsageError
+
+log = logging.getLogger("ddptrain")
 
 EVAL_EPOCH = -1  # the epoch key of eval samples: no augmentation stream is tied to it
 
@@ -277,13 +281,24 @@ class BackgroundBatches:
         self._thread.join()
 
 
+def start_pass(loader: Iterable) -> Iterator:
+    """`iter(loader)`, where that forks loader workers only once no gloo thread is running (see
+    `quiet_gloo_threads`: a worker forked at the wrong instant hangs before it starts). The caller has waited
+    for its collectives in flight."""
+    # Persistent workers are forked by the first pass, other loaders' by every pass.
+    if getattr(loader, "num_workers", 0) > 0 and getattr(loader, "_iterator", None) is None:
+        if not quiet_gloo_threads():
+            log.debug("forking loader workers while a gloo thread still runs (a collective of another thread?)")
+    return iter(loader)
+
+
 @contextlib.contextmanager
 def epoch_batches(loader: Iterable, background: bool) -> Iterator[Iterator]:
     """The batches of one pass over `loader`; with `background`, received on a thread (see above)."""
     if not background:
-        yield iter(loader)
+        yield start_pass(loader)
         return
-    batches = BackgroundBatches(iter(loader))
+    batches = BackgroundBatches(start_pass(loader))
     try:
         yield batches
     finally:

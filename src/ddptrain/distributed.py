@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -27,6 +28,7 @@ from ddptrain.errors import UsageError
 log = logging.getLogger("ddptrain")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 TEARDOWN_TIMEOUT_S = 60.0  # a healthy teardown takes milliseconds (gloo) to seconds (NCCL)
+GLOO_THREAD = "pt_gloo_runloop"  # what torch names a gloo process group's worker threads
 
 
 @dataclass
@@ -190,6 +192,11 @@ class LaggedVote:
             self._pending = (work, tensor)
         return agreed
 
+    def settle(self) -> None:
+        """Wait for the vote in flight, if any, keeping its result for the next `exchange` or `drain`."""
+        if self._pending is not None:
+            self._pending[0].wait()
+
     def drain(self) -> list[float] | None:
         """Wait for the vote in flight, if any, and return its result. All ranks."""
         if self._pending is None:
@@ -342,3 +349,43 @@ def _quiesce_gloo_groups() -> list[Any]:
     for work, _ in held:
         work.wait()
     return held
+
+
+def quiet_gloo_threads(timeout_s: float = 2.0) -> bool:
+    """Wait until no gloo worker thread of this process is running, before a fork. True once they are asleep
+    (twice in a row), False if `timeout_s` passed first; True at once where /proc is not there.
+
+    A gloo thread that frees a finished collective's work drops its tensors, and a tensor Python knows needs
+    the GIL for that: pybind11 gives the thread a fresh Python thread state, which CPython links in under
+    its runtime lock (HEAD_LOCK), without the GIL. A fork at that instant copies the lock held, and CPython
+    before 3.11.8 and 3.12 (gh-112275) takes it in the child's PyOS_AfterFork_Child: the child hangs before
+    its first line of Python. A DataLoader worker forked so never answers, and its trainer waits for the
+    batch for good (seen: rank 1 in its first eval, right after `sync_buffers`' broadcast). A gloo thread
+    that is asleep is idle, or waits for the GIL with its thread state made, and then cannot run before
+    the fork, whose caller holds the GIL. Collectives still in flight must be waited for first.
+    """
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return True
+    deadline = time.monotonic() + timeout_s
+    asleep_in_a_row = 0
+    while asleep_in_a_row < 2:
+        asleep_in_a_row = asleep_in_a_row + 1 if not _gloo_thread_running(tasks) else 0
+        if asleep_in_a_row < 2:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)  # releases the GIL: a gloo thread waiting for it finishes its frees
+    return True
+
+
+def _gloo_thread_running(tasks: Path) -> bool:
+    for task in tasks.iterdir():
+        try:
+            if (task / "comm").read_text().strip() != GLOO_THREAD:
+                continue
+            state = (task / "stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):  # the thread has just exited
+            continue
+        if state == "R":
+            return True
+    return False

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain.batch import to_device
+from ddptrain.data import start_pass
 from ddptrain.distributed import DistributedContext
 from ddptrain.errors import UsageError
 from ddptrain.tasks import Task, first_tensor
@@ -42,7 +43,7 @@ class Evaluator:
         items, units = 0, 0
         loader: Iterable = self.loader if self.loader is not None else ()
         if self.lockstep and not hasattr(loader, "__len__"):
-            loader = list(loader)  # an iterable eval set: counted before the forwards that depend on it
+            loader = list(start_pass(loader))  # an iterable eval set: counted before the forwards that depend on it
         own = len(loader) if self.lockstep else 0  # type: ignore[arg-type]
         rounds, fewest = (int(v) for v in self.ctx.reduce_flags([own, -own])) if self.lockstep else (own, 0)
         if -fewest == 0 < rounds:  # every rank knows, so every rank stops here
@@ -51,7 +52,7 @@ class Evaluator:
         batch = None
         module.eval()
         try:
-            for _, batch in loader:
+            for _, batch in start_pass(loader):
                 if heartbeat is not None:
                     heartbeat()
                 batch = to_device(batch, self.ctx.device, self.channels_last)

@@ -290,6 +290,7 @@ class Trainer:
         """Exact eval of the task's metrics over the eval set (rank 0's buffers). Must be called on all ranks."""
         self.train_log.finish()  # the train line of this step comes before its eval line
         self.watchdog.phase("eval")
+        self._vote.settle()  # no collective in flight when the first eval forks the eval loader's workers
         self.parallel.sync_buffers()
         result = self.evaluator.evaluate(self.module, heartbeat=lambda: self.watchdog.phase("eval"))
         if not result:
