@@ -281,12 +281,17 @@ class BackgroundBatches:
         self._thread.join()
 
 
+def forks_workers(loader: Iterable | None) -> bool:
+    """Whether the next pass over `loader` forks worker processes: a persistent-worker loader's first pass,
+    every pass of a loader with non-persistent workers."""
+    return getattr(loader, "num_workers", 0) > 0 and getattr(loader, "_iterator", None) is None
+
+
 def start_pass(loader: Iterable) -> Iterator:
     """`iter(loader)`, where that forks loader workers only once no gloo thread is running (see
     `quiet_gloo_threads`: a worker forked at the wrong instant hangs before it starts). The caller has waited
     for its collectives in flight."""
-    # Persistent workers are forked by the first pass, other loaders' by every pass.
-    if getattr(loader, "num_workers", 0) > 0 and getattr(loader, "_iterator", None) is None:
+    if forks_workers(loader):
         if not quiet_gloo_threads():
             log.debug("forking loader workers while a gloo thread still runs (a collective of another thread?)")
     return iter(loader)

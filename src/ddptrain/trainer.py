@@ -24,7 +24,7 @@ from ddptrain.batch import to_device
 from ddptrain.checkpoint import Position, safetensors_bytes, write_atomic
 from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.config import TrainConfig
-from ddptrain.data import BatchLayout, build_datasets, epoch_batches
+from ddptrain.data import BatchLayout, build_datasets, epoch_batches, forks_workers
 from ddptrain.distributed import DistributedContext, LaggedVote
 from ddptrain.errors import Preempted, TrainingError
 from ddptrain.evaluator import Evaluator
@@ -290,7 +290,10 @@ class Trainer:
         """Exact eval of the task's metrics over the eval set (rank 0's buffers). Must be called on all ranks."""
         self.train_log.finish()  # the train line of this step comes before its eval line
         self.watchdog.phase("eval")
-        self._vote.settle()  # no collective in flight when the first eval forks the eval loader's workers
+        # No collective may be in flight when the first eval forks the eval loader's workers (`start_pass`).
+        self._vote.settle()
+        if forks_workers(self.eval_loader):
+            self.checkpoints.wait()  # an async sharded save commits over collectives in the background
         self.parallel.sync_buffers()
         result = self.evaluator.evaluate(self.module, heartbeat=lambda: self.watchdog.phase("eval"))
         if not result:
