@@ -18,7 +18,7 @@ import random
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -287,23 +287,27 @@ def forks_workers(loader: Iterable | None) -> bool:
     return getattr(loader, "num_workers", 0) > 0 and getattr(loader, "_iterator", None) is None
 
 
-def start_pass(loader: Iterable) -> Iterator:
+def start_pass(loader: Iterable, settle: Callable[[], None] | None = None) -> Iterator:
     """`iter(loader)`, where that forks loader workers only once no gloo thread is running (see
-    `quiet_gloo_threads`: a worker forked at the wrong instant hangs before it starts). The caller has waited
-    for its collectives in flight."""
+    `quiet_gloo_threads`: a worker forked at the wrong instant hangs before it starts). The caller's
+    collectives in flight must be waited for first: by the caller, or by `settle` when this pass forks."""
     if forks_workers(loader):
+        if settle is not None:
+            settle()
         if not quiet_gloo_threads():
             log.debug("forking loader workers while a gloo thread still runs (a collective of another thread?)")
     return iter(loader)
 
 
 @contextlib.contextmanager
-def epoch_batches(loader: Iterable, background: bool) -> Iterator[Iterator]:
-    """The batches of one pass over `loader`; with `background`, received on a thread (see above)."""
+def epoch_batches(loader: Iterable, background: bool,
+                  settle: Callable[[], None] | None = None) -> Iterator[Iterator]:
+    """The batches of one pass over `loader`; with `background`, received on a thread (see above). `settle`:
+    see `start_pass`."""
     if not background:
-        yield start_pass(loader)
+        yield start_pass(loader, settle)
         return
-    batches = BackgroundBatches(start_pass(loader))
+    batches = BackgroundBatches(start_pass(loader, settle))
     try:
         yield batches
     finally:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import random
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -137,13 +137,14 @@ def stream_loader(shard: StreamShard, cfg: TrainConfig, device: torch.device, dr
 
 @contextlib.contextmanager
 def stream_batches(loader: DataLoader, shard: StreamShard, position: StreamPosition,
-                   background: bool) -> Iterator[Iterator]:
+                   background: bool, settle: Callable[[], None] | None = None) -> Iterator[Iterator]:
     """Batches of this rank's share, epoch after epoch, in a fixed turn over its readers.
 
     The DataLoader hands out its workers' batches round-robin from worker 0 whenever an iterator starts; a
     resumed run must instead continue with the reader whose turn it was. So batches are taken in turn from
     a small stash (at most one per reader), and a reader whose batches are over when the loader ends leaves
-    the turn: the same order in every run, whatever the timing.
+    the turn: the same order in every run, whatever the timing. Each epoch forks the workers anew, after
+    `settle` (the trainer's collectives in flight; see `data.start_pass`).
     """
     from ddptrain.data import epoch_batches
 
@@ -152,7 +153,7 @@ def stream_batches(loader: DataLoader, shard: StreamShard, position: StreamPosit
             shard.epoch, shard.done = position.epoch, dict(position.done)
             stash: dict[int, collections.deque] = {reader: collections.deque() for reader in position.local}
             taken, ended, resumed = 0, False, bool(position.done)
-            with epoch_batches(loader, background=background) as batches:
+            with epoch_batches(loader, background=background, settle=settle) as batches:
                 while len(position.exhausted) < len(position.local):
                     want = position.turn
                     while not stash[want] and not ended:

@@ -150,7 +150,7 @@ class Trainer:
             if self.stream is not None:
                 # A stream has no epochs in common: each rank cycles its own share until --max_steps.
                 with stream_batches(self.train_loader, self.stream, self.stream_position,
-                                    self._background_batches) as batches:
+                                    self._background_batches, settle=self._vote.settle) as batches:
                     while pos.step < self.total_steps:
                         self._step(batches, bar)
             # Each pass of this loop is (the rest of) one epoch: the sampler resumes at the cursor.
