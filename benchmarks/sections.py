@@ -330,10 +330,10 @@ def data(size: str, work: Path) -> Plan:
             wait_ms, handoff_ms = 1000 * max(waits) / len(lines), 1000 * res["handoff_s"]
             note = (f"worst rank waits {wait_ms:.2f} ms per {1000 * total / len(lines):.1f} ms step ({len(lines)} log "
                     f"windows after the first; 2 loader workers per rank, prefetch 4). Receiving a batch that is "
-                    f"already made costs {handoff_ms:.2f} ms: the shared-memory handoff of its 2 tensors (inputs, "
-                    "targets; the ids travel in the pickle), each fetched from the worker over a socket (torch's "
-                    "file_descriptor sharing) - on CPU by a background thread of the training process, so the "
-                    "step does not wait for it.")
+                    f"already made costs {handoff_ms:.2f} ms: its ids and tensors of up to 256 KiB travel in the "
+                    "batch's pickle, larger ones in shared memory whose descriptor is fetched from the worker over "
+                    "a socket (torch's file_descriptor sharing) - on CPU a background thread of the training "
+                    "process receives, so the step does not wait for it.")
             if not passed:
                 note += (" MISS: the batches were not ready when the step asked: the loader workers share the 2 "
                          "cores with the 2 training processes. More --num_workers, a cheaper __getitem__ or "

@@ -275,3 +275,93 @@ def test_loader_workers_are_forked_only_once_no_gloo_thread_is_running():
     assert done.is_set()
     release.set()
     thread.join()
+
+
+def test_small_tensors_cross_from_a_loader_worker_by_value_and_the_rest_in_shared_memory():
+    from multiprocessing.reduction import ForkingPickler
+
+    from ddptrain.data import BY_VALUE_BYTES, by_value
+
+    small, labels = torch.arange(12.0).reshape(3, 4), torch.tensor([3, 1, 2])
+    big = torch.ones(BY_VALUE_BYTES // 4 + 1)
+    strided, bf16 = torch.arange(6.0).reshape(2, 3).t(), torch.ones(4, dtype=torch.bfloat16)
+    batch = {"x": small, "y": (labels, bf16), "big": big, "strided": strided}
+    back = ForkingPickler.loads(ForkingPickler.dumps(by_value(batch)))
+    assert not small.is_shared() and not labels.is_shared()  # pickled as bytes, never moved to shared memory
+    assert big.is_shared() and strided.is_shared() and bf16.is_shared()  # too big / not contiguous / no numpy dtype
+    assert torch.equal(back["x"], small) and torch.equal(back["y"][0], labels) and back["y"][0].dtype == torch.int64
+    assert torch.equal(back["big"], big) and torch.equal(back["y"][1], bf16)
+    assert torch.equal(back["strided"], strided) and back["strided"].stride() == strided.stride()
+    back["x"].add_(1)  # a tensor of its own, writable
+    assert torch.equal(small, torch.arange(12.0).reshape(3, 4))
+
+
+class _Mixed(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[int, dict]:
+        return i, {"image": torch.full((3, 4, 4), float(i)), "big": torch.full((40_000,), float(i)),
+                   "label": torch.tensor(i % 3)}
+
+
+def test_a_worker_s_batches_equal_the_in_process_ones():
+    from torch.utils.data import DataLoader
+
+    from ddptrain.data import collate
+
+    def batches(workers: int) -> list:
+        return list(DataLoader(_Mixed(), batch_size=4, collate_fn=collate, num_workers=workers))
+
+    for (ids_a, a), (ids_b, b) in zip(batches(0), batches(2), strict=True):
+        assert ids_a == ids_b and a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]) and a[key].dtype == b[key].dtype and type(b[key]) is torch.Tensor
+
+
+_KILLED_TRAINER = """
+import os, signal, torch
+from torch.utils.data import DataLoader, Dataset
+from ddptrain.data import collate, worker_init
+
+class Big(Dataset):
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, i):
+        return i, torch.full((50_000,), float(i))  # 200 KB: crosses by value, more than a pipe holds
+
+loader = DataLoader(Big(), batch_size=1, collate_fn=collate, num_workers=2, persistent_workers=True,
+                    prefetch_factor=4, worker_init_fn=worker_init)
+batches = iter(loader)
+next(batches)
+print(" ".join(str(w.pid) for w in batches._workers), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # the workers' next batches now wait in a full pipe
+"""
+
+
+def test_loader_workers_end_with_a_killed_trainer(tmp_path):
+    """Without their own check the workers of a SIGKILLed trainer stay forever: each leaves by joining its
+    queue's feeder thread, blocked on the full result pipe whose read end the siblings hold."""
+    import os
+    import time
+
+    out = tmp_path / "pids"
+    with out.open("w") as stdout:
+        subprocess.run([sys.executable, "-c", _KILLED_TRAINER], env=cli_env(), stdout=stdout, timeout=120)
+    pids = [int(p) for p in out.read_text().split()]
+    assert len(pids) == 2
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 60  # a liveness bound: they exit within about a second
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if alive(p)]
+    for pid in left:
+        os.kill(pid, 9)
+    assert not left, f"loader workers {left} outlived their trainer"
