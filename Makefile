@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench install clean
+.PHONY: run test bench stress install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
+
+# N short 2-process runs back to back (loader workers, async saves, ddp and fsdp, streams, random kills):
+# prints every failure and hang.
+N ?= 100
+stress: $(STAMP)
+	$(PY) scripts/stress.py --runs $(N)
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info

@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import socket
-import subprocess
 import sys
 import tempfile
 import time

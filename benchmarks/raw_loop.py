@@ -46,6 +46,18 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def shifted_labels(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A padded, masked batch's target for each position: the next label, -100 where nothing counts."""
+    return F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+
+
+def masked_token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The summed next-token cross-entropy of a padded, masked batch (the caller divides by the step's count)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted_labels(batch).reshape(-1),
+                           reduction="sum")
+
+
 LOSSES = {"classification": classification_loss, "language_model": next_token_loss}  # by ddptrain's --task
 
 
@@ -86,8 +98,15 @@ class RawLoop:
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed,
                                           drop_last=True)
+        # Padded, masked items (dicts of 1-D sequences) are padded by the collate a user would borrow, and the
+        # loss is token-weighted over the whole step by hand (`_masked_step`).
+        self.masked = isinstance(dataset[0], dict)
+        collate = None
+        if self.masked:
+            from ddptrain.batch import collate
+        self.world = world
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
-                                 pin_memory=device.type == "cuda", drop_last=True)
+                                 pin_memory=device.type == "cuda", drop_last=True, collate_fn=collate)
         self.epoch = 0
         self.micro = 0
         self._batches = None
@@ -110,12 +129,16 @@ class RawLoop:
         """A tensor (token windows) or an (inputs, targets) pair, on the device; images channels_last if asked."""
         if isinstance(batch, torch.Tensor):
             return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, dict):
+            return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
         if self.channels_last and inputs.dim() == 4:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         return inputs, targets
 
     def step(self) -> None:
+        if self.masked:
+            return self._masked_step()
         self.optimizer.zero_grad(set_to_none=True)
         for micro in range(self.accum):
             self.micro = micro
@@ -127,6 +150,27 @@ class RawLoop:
                 with torch.autocast(self.device.type, torch.bfloat16, enabled=self.use_amp):
                     loss = self.loss_of(self.model, batch)
                 (loss / self.accum).backward()
+        self.optimizer.step()
+
+    def _masked_step(self) -> None:
+        """The careful hand-written step for padded, masked batches: the step's tokens counted from the labels
+        and all-reduced (under the first forward) before any backward, each micro-batch's summed loss scaled
+        by world / that count (DDP averages over the world)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        batches = [self._next_batch() for _ in range(self.accum)]
+        count = torch.tensor([float(sum(int((shifted_labels(b) != -100).sum()) for b in batches))])
+        work = dist.all_reduce(count, async_op=True) if self.world > 1 else None
+        for micro, batch in enumerate(batches):
+            self.micro = micro
+            batch = self._to_device(batch)
+            skip_sync = self.ddp is not None and micro < self.accum - 1
+            with self.ddp.no_sync() if skip_sync else contextlib.nullcontext():
+                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.use_amp):
+                    total = masked_token_loss_sum(self.model, batch)
+                if work is not None:
+                    work.wait()
+                    work = None
+                (total * (self.world / count.item())).backward()
         self.optimizer.step()
 
     def run(self, steps: int) -> float:

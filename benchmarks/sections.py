@@ -57,6 +57,11 @@ LM_NET = {"full": ["--task", "language_model", "--model", "gpt", "--width", "128
                    "--num_heads", "2", "--seq_len", "16", "--batch_size", "4"]}
 LM_TOKENS = {"full": 2_000_000, "tiny": 1 << 16}
 LM_TARGET = 0.97
+# The padded, masked language model: the same GPT on variable-length sequences of the same text (24..64 tokens)
+# whose prompt prefixes are masked (labels -100). ddptrain divides each micro-batch's summed loss by the step's
+# token count, agreed by one tiny all-reduce per step; the raw loop does the same by hand.
+MASKED_LM = {"full": ["--dataset", "benchmarks.workloads:masked_text", "--dataset_size", "100000"],
+             "tiny": ["--dataset", "benchmarks.workloads:masked_text", "--dataset_size", "2048"]}
 
 
 def net(table: dict[str, list[str]], size: str) -> list[str]:
@@ -151,7 +156,9 @@ def overhead(size: str, work: Path) -> Plan:
     conv = net(BENCH_NET, size)
     cases = [("overhead", "overhead, default features", conv, 0.99),
              ("overhead_observed", "overhead, all observability on", [*conv, *OBSERVED], 0.97),
-             ("overhead_lm", "overhead, language model (GPT)", lm_flags(size, work), LM_TARGET)]
+             ("overhead_lm", "overhead, language model (GPT)", lm_flags(size, work), LM_TARGET),
+             ("overhead_masked_lm", "overhead, padded masked LM (token-weighted)",
+              [*net(LM_NET, size), *net(MASKED_LM, size)], LM_TARGET)]
     blocks = rounds + warmup
     launches = [Launch(key, 2, [{"name": key, "mode": "interleave", "block_steps": block, "blocks": blocks,
                                  "settle_s": _settle(size),
@@ -178,6 +185,10 @@ def overhead(size: str, work: Path) -> Plan:
             note = " ".join(filter(None, [note, cpu_note(cpu), phase_note(phases)]))
             if key == "overhead_lm":
                 note = lm_note(flags, res) + " " + note
+            if key == "overhead_masked_lm":
+                note = ("Padded, masked sequences (24-64 tokens, prompts masked): both sides count the step's "
+                        "tokens from the labels, all-reduce the count under the first forward and divide each "
+                        "micro-batch's summed loss by it. " + note)
             if not passed and key == "overhead_observed":
                 note += (" MISS: every 10th step is a log step: a device->host read of the loss sums and a "
                          "gather of every rank's sums and timings started, waited for at the next boundary; a "
@@ -190,7 +201,7 @@ def overhead(size: str, work: Path) -> Plan:
                          "steps (preemption and timed-save agreement, read one step late) and a log step every "
                          "--log_interval steps; on a 2-core machine its threads (gloo's, the batch receiver) take "
                          "CPU from the same cores.")
-            if key == "overhead_lm":  # tokens/s: what a language model's throughput is read in
+            if key in ("overhead_lm", "overhead_masked_lm"):  # tokens/s: what a language model's throughput is read in
                 tokens = res["global_batch_size"] * flag_value(flags, "--seq_len")
                 speeds = f"{tokens / ours:,.0f} tokens/s", f"{tokens / theirs:,.0f} tokens/s (raw DDP)"
             else:
@@ -489,15 +500,23 @@ def scaling_row(name: str, one: list[float], two: list[float], two_no_comm: list
 # --- sharding ------------------------------------------------------------------------------------
 
 FSDP_TARGET = 0.97  # vs the hand-written FSDP2 loop; the non-finite guard is host-decided under fsdp (parallel.py)
+ACCUM_STEPS = 4  # micro-steps of the fsdp accumulation row
 
 
 def sharding(size: str, work: Path) -> Plan:
     """--strategy fsdp against a hand-written FSDP2 loop (interleaved), and against ddptrain's own ddp on the same
-    model: memory each rank holds and steps/s (two Trainers alternating in the same processes)."""
+    model: memory each rank holds and steps/s (two Trainers alternating in the same processes). Then fsdp with
+    accumulation x4, reducing on the last micro-step against --fsdp_reduce_every_micro_step: the gradients a
+    rank holds at their peak, and steps/s."""
     block, rounds, warmup = {"full": (10, 16, 1), "quick": (10, 6, 1), "tiny": (2, 2, 1)}[size]
     mlp = net(MID_MLP, size)
     blocks = rounds + warmup
     steps = ["--max_steps", str(blocks * block + 1)]
+    # The same global batch as the rows above (32 per rank) in 4 micro-steps of 8; fewer, shorter blocks: a
+    # step is 4 forwards and backwards, each all-gathering the weights.
+    accum_block, accum_blocks = {"full": (4, 9), "quick": (4, 5), "tiny": (2, 2)}[size]
+    accum = [*mlp, "--strategy", "fsdp", "--batch_size", str(flag_value(mlp, "--batch_size") // ACCUM_STEPS),
+             "--grad_accum_steps", str(ACCUM_STEPS), "--max_steps", str(accum_blocks * accum_block + 1)]
     launches = [
         Launch("overhead_fsdp", 2, [{"name": "overhead_fsdp", "mode": "interleave", "block_steps": block,
                                      "blocks": blocks, "settle_s": _settle(size),
@@ -507,6 +526,11 @@ def sharding(size: str, work: Path) -> Plan:
                                    "settle_s": _settle(size),
                                    "argv": [*mlp, "--strategy", "fsdp", *common_flags(work, "pair_fsdp"), *steps],
                                    "argv_b": [*mlp, *common_flags(work, "pair_ddp"), *steps]}]),
+        Launch("fsdp_accumulation", 2, [{"name": "fsdp_accumulation", "mode": "pair", "block_steps": accum_block,
+                                         "blocks": accum_blocks, "settle_s": _settle(size),
+                                         "argv": [*accum, *common_flags(work, "accum_last")],
+                                         "argv_b": [*accum, "--fsdp_reduce_every_micro_step",
+                                                    *common_flags(work, "accum_every")]}]),
     ]
 
     def finish(results: dict[str, list[dict[str, Any]]]) -> list[Row]:
@@ -544,10 +568,73 @@ def sharding(size: str, work: Path) -> Plan:
                            "up, which only tiny tensors (a few rows) make visible."),
                         {"fsdp_memory": pair["a_memory"], "ddp_memory": pair["b_memory"], "fsdp_step_s": fsdp_s,
                          "ddp_step_s": ddp_s, "a_s": pair["a_s"], "b_s": pair["b_s"]}))
+        rows.append(_accumulation_row(results["fsdp_accumulation"][0], warmup, accum_block))
         return rows
 
     return Plan(launches, finish)
 
 
+def _accumulation_row(pair: dict[str, Any], warmup: int, block: int) -> Row:
+    """fsdp with accumulation: --fsdp_reduce_every_micro_step (B) against reducing on the last micro-step (A)."""
+    last_s, every_s = (median(pair[k][warmup:]) / block for k in ("a_s", "b_s"))
+    speed = paired_ratios(pair["b_s"], pair["a_s"], warmup)  # the flag's steps/s over the default's, per pair
+    last, every = pair["a_peak_grad_bytes"], pair["b_peak_grad_bytes"]
+    share, world = every / last, pair["world_size"]
+    target = 1 / world + 0.01
+    return Row("fsdp_accumulation", f"fsdp, accumulation x{ACCUM_STEPS}: --fsdp_reduce_every_micro_step",
+               f"{every / 2**20:.1f} MiB of gradients/rank at peak, {1 / every_s:.2f} steps/s",
+               f"{last / 2**20:.1f} MiB/rank, {1 / last_s:.2f} steps/s (reduce on the last micro-step)",
+               f"{share:.3f} of the peak gradients, {median(speed):.3f} of the speed ({spread(speed)})",
+               f"<= {target:.2f} gradients",
+               share <= target,
+               f"rank 0's gradients at their fullest in the first step (the memory line's peak_grad_bytes), at world "
+               f"size {world}: reducing on the last micro-step only, FSDP2 holds the whole model's unsharded fp32 "
+               f"gradients until then; the flag reduce-scatters on each of the {ACCUM_STEPS} micro-steps instead "
+               f"({ACCUM_STEPS}x the reduce-scatters) and keeps the shard."
+               + ("" if share <= target else " MISS: rank 0 held more than its 1/N of the gradients between "
+                  "micro-steps: the flag did not reach FSDP, or dim-0 shards of tiny tensors round up."),
+               {"peak_grad_bytes_last": last, "peak_grad_bytes_every": every, "last_step_s": last_s,
+                "every_step_s": every_s, "speed_ratios": speed, "a_s": pair["a_s"], "b_s": pair["b_s"],
+                "block_steps": block})
+
+
+# --- activation checkpointing ------------------------------------------------------------------------
+
+RECOMPUTE_TARGET = 0.5  # at most this share of the activations kept for backward; the time is reported
+
+
+def recompute(size: str, work: Path) -> Plan:
+    """--activation_checkpointing on the GPT of the LM rows, ddp on 2 ranks: the bytes autograd keeps for
+    backward per micro-batch (saved-tensor hooks) and steps/s, against the same Trainer without it
+    (two Trainers alternating in the same processes)."""
+    block, blocks = {"full": (5, 9), "quick": (5, 5), "tiny": (2, 2)}[size]
+    flags = [*lm_flags(size, work), "--max_steps", str(blocks * block + 2)]
+    launches = [Launch("recompute", 2, [{"name": "recompute", "mode": "pair", "block_steps": block,
+                                         "blocks": blocks, "settle_s": _settle(size), "activations": True,
+                                         "argv": [*flags, *common_flags(work, "keep")],
+                                         "argv_b": [*flags, "--activation_checkpointing",
+                                                    *common_flags(work, "recompute")]}])]
+
+    def finish(results: dict[str, list[dict[str, Any]]]) -> list[Row]:
+        [pair] = results["recompute"]
+        kept, recomputed = pair["a_activation_bytes"], pair["b_activation_bytes"]
+        share = recomputed / kept
+        speed = paired_ratios(pair["b_s"], pair["a_s"], 1)
+        keep_s, recompute_s = (median(pair[k][1:]) / block for k in ("a_s", "b_s"))
+        return [Row("recompute", "--activation_checkpointing (GPT)",
+                    f"{recomputed / 2**20:.2f} MiB kept for backward, {1 / recompute_s:.2f} steps/s",
+                    f"{kept / 2**20:.2f} MiB, {1 / keep_s:.2f} steps/s (without)",
+                    f"{share:.3f} of the activations, {median(speed):.3f} of the speed ({spread(speed)})",
+                    f"<= {RECOMPUTE_TARGET} activations", share <= RECOMPUTE_TARGET,
+                    f"{lm_note(flags, pair | {'grad_bytes': 0, 'global_batch_size': 2 * flag_value(flags, '--batch_size')})} "
+                    "Bytes of the tensors autograd keeps across one micro-batch's forward on rank 0 (each storage "
+                    "once, parameters excluded); with the flag each block keeps only its input and recomputes its "
+                    "forward in backward: about one more forward per step.",
+                    {"kept_bytes": kept, "recomputed_bytes": recomputed, "speed_ratios": speed,
+                     "a_s": pair["a_s"], "b_s": pair["b_s"], "block_steps": block})]
+
+    return Plan(launches, finish)
+
+
 SECTIONS = {"overhead": overhead, "accumulation": accumulation, "checkpoint": checkpoint, "data": data,
-            "startup": startup, "scaling": scaling, "sharding": sharding}
+            "startup": startup, "scaling": scaling, "sharding": sharding, "recompute": recompute}

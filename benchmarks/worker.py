@@ -104,14 +104,45 @@ def run_pair(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
         for side in (0, 1):
             time.sleep(job.get("settle_s", 0.1))
             times[side].append(train_steps(trainers[side], iterators[side], job["block_steps"]))
+    saved = [activation_bytes(trainer, iterator) for trainer, iterator in zip(trainers, iterators)] \
+        if job.get("activations") else [0, 0]
     del iterators
     memory = [trainer.parallel.memory(trainer.optimizer) for trainer in trainers]  # rank 0's, state all made
+    # The gradients at their fullest in a step, as the memory line states them (Trainer._step).
+    peak_grad = [max(held["grad_bytes"], trainer.accumulated_grad_bytes or 0)
+                 for held, trainer in zip(memory, trainers)]
     for trainer in trainers:
         trainer.close()
     del trainers
     gc.collect()
     return {"name": job["name"], "mode": "pair", "world_size": ctx.world_size, "a_s": times[0], "b_s": times[1],
-            "a_memory": memory[0], "b_memory": memory[1]}
+            "a_memory": memory[0], "b_memory": memory[1], "a_peak_grad_bytes": peak_grad[0],
+            "b_peak_grad_bytes": peak_grad[1], "a_activation_bytes": saved[0], "b_activation_bytes": saved[1]}
+
+
+def activation_bytes(trainer: Trainer, batches: Any) -> int:
+    """Bytes of the tensors autograd keeps for backward across one micro-batch's forward (each storage once):
+    the activation memory --activation_checkpointing trades for recomputation. Its own packing hooks run
+    inside a checkpointed block, so what is seen here is what outlives the forward."""
+    from ddptrain.batch import to_device
+
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    _, batch = next(batches)
+    batch = to_device(batch, trainer.ctx.device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output, _ = trainer.task.loss(trainer.model, batch)
+    loss, _, _ = trainer.normaliser.split(output)
+    with trainer.parallel.accumulating(True):
+        (loss * 0).backward()  # frees the graph the same way on every rank (DDP's hooks fire)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    params = {p.untyped_storage().data_ptr() for p in trainer.module.parameters()}
+    return sum(size for ptr, size in seen.items() if ptr not in params)
 
 
 def time_calls(obj: Any, names: tuple[str, ...]) -> dict[str, list[float]]:

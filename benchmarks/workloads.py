@@ -52,3 +52,36 @@ def cached_synthetic(cfg) -> tuple[Dataset, None]:
     """`--dataset benchmarks.workloads:cached_synthetic`: --dataset_size samples over 2048 distinct images."""
     source = SyntheticImages(2048, cfg.num_classes, cfg.in_channels, cfg.image_size, seed=cfg.seed)
     return CachedImages(cfg.dataset_size, source, 2048), None
+
+
+class MaskedText(Dataset):
+    """Padded, masked language-model items over real English text (CPython's pydoc topics, as bytes): item i
+    is a sequence of 24..`seq_len` tokens of the text whose first 4..(length - 8) tokens, a prompt, have
+    labels -100. Lengths and prompts are drawn from (seed, i), so micro-batches count different numbers of
+    tokens, as fine-tuning batches do."""
+
+    uses_global_rng = False
+
+    def __init__(self, size: int, seq_len: int, seed: int):
+        from ddptrain.text import pydoc_tokens
+
+        self.tokens = torch.from_numpy(pydoc_tokens().astype("int64"))
+        self.size, self.seq_len, self.seed = size, seq_len, seed
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        length = int(torch.randint(min(24, self.seq_len), self.seq_len + 1, (), generator=gen))
+        start = int(torch.randint(0, len(self.tokens) - length, (), generator=gen))
+        prompt = int(torch.randint(min(4, length - 1), max(length - 8, 5), (), generator=gen))
+        ids = self.tokens[start:start + length]
+        labels = ids.clone()
+        labels[:prompt] = -100
+        return {"input_ids": ids, "labels": labels}
+
+
+def masked_text(cfg) -> tuple[Dataset, None]:
+    """`--dataset benchmarks.workloads:masked_text`: --dataset_size padded, masked sequences of up to --seq_len."""
+    return MaskedText(cfg.dataset_size, cfg.seq_len, cfg.seed), None

@@ -22,7 +22,7 @@ from benchmarks.probe import CpuAccount, Interleave, PhaseClock, StepProbe
 from helpers import REPO
 
 SECTION_KEYS = {"overhead", "overhead_observed", "overhead_lm", "accumulation", "checkpoint", "data_synthetic", "data_cifar",
-                "startup", "scaling_miniresnet", "scaling_mlp", "overhead_fsdp", "fsdp_vs_ddp"}
+                "startup", "scaling_miniresnet", "scaling_mlp", "overhead_fsdp", "fsdp_vs_ddp", "fsdp_accumulation"}
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +109,21 @@ def test_language_model_row_runs_the_lm_task_on_both_sides(tiny_bench):
     assert "next-token" in row["note"]
 
 
-def test_raw_loop_next_token_loss_matches_the_lm_task():
-    from benchmarks.raw_loop import next_token_loss
+def test_raw_loop_losses_match_the_lm_task():
+    from benchmarks.raw_loop import masked_token_loss_sum, next_token_loss
+    from ddptrain.batch import collate
     from ddptrain.models import GPT
     from ddptrain.tasks import LanguageModel
 
     torch.manual_seed(0)
     model, tokens = GPT(32, 8, 16, 1, 2), torch.randint(0, 32, (3, 9))
-    assert torch.equal(next_token_loss(model, tokens), LanguageModel().loss(model, tokens)[0])
+    total, count = LanguageModel().loss(model, tokens)[0]
+    torch.testing.assert_close(next_token_loss(model, tokens), total / count)
+    batch = collate([{"input_ids": tokens[0, :n], "labels": torch.cat([torch.full((2,), -100), tokens[0, 2:n]])}
+                     for n in (5, 8)])
+    total, count = LanguageModel().loss(model, batch)[0]
+    assert int(count) == LanguageModel().count(batch) == 3 + 6  # the masked prompt and the padding do not count
+    assert torch.equal(masked_token_loss_sum(model, batch), total)
 
 
 # --- pieces, without processes -------------------------------------------------------------------------
@@ -226,3 +233,9 @@ def test_sharding_rows_compare_fsdp_with_a_hand_written_fsdp2_loop_and_with_ddp(
     for kind in ("param_bytes", "grad_bytes", "optimizer_bytes"):
         # Two ranks: each holds about half (dim-0 shards; rounding puts at most one row more on rank 0).
         assert 0.45 * memory["ddp_memory"][kind] <= memory["fsdp_memory"][kind] <= 0.51 * memory["ddp_memory"][kind]
+    accumulation = rows["fsdp_accumulation"]["data"]
+    # Between micro-steps: the whole model's unsharded gradients, or with the flag about half (rank 0's shard).
+    whole = memory["ddp_memory"]["grad_bytes"]
+    assert accumulation["peak_grad_bytes_last"] == whole
+    assert 0.45 * whole <= accumulation["peak_grad_bytes_every"] <= 0.51 * whole
+    assert all(t > 0 for t in accumulation["a_s"] + accumulation["b_s"])

@@ -84,6 +84,38 @@ def test_no_usable_checkpoint_is_a_clear_error_and_nothing_is_overwritten(three_
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
 
 
+
+def checkpoint_files(run_dir: Path) -> dict[Path, bytes]:
+    """Every file of every checkpoint directory, committed, partial or moved aside."""
+    return {p: p.read_bytes() for p in (run_dir / "checkpoints").rglob("step-*/**/*") if p.is_file()}
+
+
+def test_a_transient_read_error_is_retried_and_demotes_nothing(three_checkpoints):
+    # Reading step-6 fails with EIO twice (a network filesystem's hiccup): that proves nothing against the
+    # checkpoint, so it is read again, resumed from, and no checkpoint is moved aside or trained again.
+    run_dir = three_checkpoints
+    train(run_dir, *SAVES, "--max_steps", "8", env={"DDPTRAIN_FAULT": "rank=0,step=6,kind=ioerror,at=load,times=2"})
+    log = rank0_log(run_dir)
+    step_6 = run_dir / "checkpoints" / "step-6"
+    assert f"reading checkpoint {step_6} failed on rank 0 (OSError: [Errno 5]" in log
+    assert "trying again (2 of 3)" in log and "trying again (3 of 3)" in log
+    assert f"resuming from {step_6} (step 6)" in log
+    assert not (run_dir / "checkpoints" / "abandoned").exists()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2", "step-4", "step-6", "step-8"]
+
+
+def test_a_persistent_read_error_stops_the_run_and_moves_nothing(three_checkpoints):
+    run_dir = three_checkpoints
+    before, metrics_before = checkpoint_files(run_dir), (run_dir / "metrics.jsonl").read_bytes()
+    proc = train(run_dir, *SAVES, "--max_steps", "8", check=False,
+                 env={"DDPTRAIN_FAULT": "rank=0,step=6,kind=ioerror,at=load,times=10"})
+    assert proc.returncode == 1, proc.stderr
+    step_6 = run_dir / "checkpoints" / "step-6"
+    assert f"cannot read checkpoint {step_6} on rank 0" in proc.stderr and "after 3 tries: OSError" in proc.stderr
+    assert "nothing was moved or deleted" in proc.stderr
+    assert checkpoint_files(run_dir) == before
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
+
 # --- hostile pickles ------------------------------------------------------------------------------
 # torch >= 2.6 already defaults to weights_only=True; a user may turn that default off with this variable, and
 # the checkpoint must stay safe: so the tests turn it off, and only the loader's own weights_only=True is left.

@@ -2,7 +2,8 @@
 size and strategy, and a DCP index that cannot run code. Real processes, gloo on CPU.
 
 Reference runs (once per module): ddp and fsdp on 2 processes, 50 steps of 64 samples (1024 training
-samples: 16 steps per epoch), a checkpoint every 10 steps, every sample id recorded.
+samples: 16 steps per epoch), a checkpoint every 10 steps, every sample id recorded; and ddp with the same
+global batch as 2 micro-steps of 16 per rank.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from helpers import (REPO, TINY, RunsCode, assert_bitwise_equal, cli_env, metric
 STEPS = ["--dataset_size", "1024", "--epochs", "4", "--max_steps", "50", "--save_every", "0",
          "--save_every_steps", "10", "--keep_last", "0", "--record_sample_ids", "--grad_clip", "1.0"]
 FSDP = ["--strategy", "fsdp"]
+ACCUM_2 = ["--batch_size", "16", "--grad_accum_steps", "2"]
+REDUCE_EVERY = ["--fsdp_reduce_every_micro_step"]
+GRAD_BYTES = 4 * (192 * 32 + 32 + 32 * 10 + 10)  # TINY's MLP: the whole model's fp32 gradients
+ROWS_OF_ONE = 4 * (192 + 1 + 32 + 1)  # the rounding remainder of dim-0 shards: one row of each of the 4 parameters
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +43,13 @@ def ddp(tmp_path_factory) -> Path:
 def fsdp(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("fsdp")
     train(run_dir, *STEPS, *FSDP, nproc=2)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def ddp_accum(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("ddp_accum")
+    train(run_dir, *STEPS, *ACCUM_2, nproc=2)
     return run_dir
 
 
@@ -78,33 +90,58 @@ def test_fsdp_trains_what_ddp_trains_within_1e_5_after_50_steps(ddp, fsdp):
     assert final_fsdp["loss"] == pytest.approx(final_ddp["loss"], abs=1e-5)
 
 
-def test_with_accumulation_fsdp_reduce_scatters_on_the_last_micro_step_only_and_equals_ddp(tmp_path):
-    """The real Trainer under torchrun, each FSDP unit's reduce-scatter counted (tests/worker_accum_hooks.py)."""
-    accum = ["--batch_size", "16", "--grad_accum_steps", "2"]
-    train(tmp_path / "ddp", *STEPS, *accum, nproc=2)
-    report_path, run_dir = tmp_path / "hooks.json", tmp_path / "fsdp"
+def counted_fsdp_run(run_dir: Path, *flags: str) -> list[int]:
+    """fsdp with ACCUM_2: the real Trainer under torchrun, each FSDP unit's reduce-scatter counted
+    (tests/worker_accum_hooks.py). The micro-step (0 or 1) of every reduce-scatter call."""
+    report_path = run_dir.parent / f"{run_dir.name}-hooks.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(REPO / "tests" / "worker_accum_hooks.py"), str(report_path), *TINY, *STEPS, *accum,
-                           *FSDP, "--run_dir", str(run_dir)],
+                           str(REPO / "tests" / "worker_accum_hooks.py"), str(report_path), *TINY, *STEPS, *ACCUM_2,
+                           *FSDP, *flags, "--run_dir", str(run_dir)],
                           capture_output=True, text=True, timeout=240, env=cli_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(report_path.read_text())
     assert report["steps"] == 50 and report["micro_batches"] == 100
-    micro = [call % 2 for call in report["hook_calls"]]
+    return [call % 2 for call in report["hook_calls"]]
+
+
+def test_with_accumulation_fsdp_reduce_scatters_on_the_last_micro_step_only_and_equals_ddp(ddp_accum, tmp_path):
+    micro = counted_fsdp_run(tmp_path / "fsdp")
     assert micro.count(0) == 0, "a reduce-scatter ran on a micro-step that only accumulates"
-    assert len(report["hook_calls"]) == 50 * 2, "MLP: two Linear units reduce-scatter once per step each"
-    assert max_diff(weights(tmp_path / "ddp" / "model.safetensors"), weights(run_dir / "model.safetensors")) <= 1e-5
+    assert len(micro) == 50 * 2, "MLP: two Linear units reduce-scatter once per step each"
+    assert max_diff(weights(ddp_accum / "model.safetensors"), weights(tmp_path / "fsdp" / "model.safetensors")) <= 1e-5
+
+
+def test_reduce_every_micro_step_reduce_scatters_on_each_micro_step_and_equals_ddp(ddp_accum, tmp_path):
+    micro = counted_fsdp_run(tmp_path / "fsdp", *REDUCE_EVERY)
+    assert micro.count(0) == micro.count(1) == 50 * 2, "MLP: two Linear units reduce-scatter on every micro-step"
+    assert max_diff(weights(ddp_accum / "model.safetensors"), weights(tmp_path / "fsdp" / "model.safetensors")) <= 1e-5
+
+
+def test_with_accumulation_the_memory_line_states_the_gradients_held_between_micro_steps(ddp_accum, tmp_path):
+    """Until the last micro-step's reduce-scatter, fsdp holds the whole model's unsharded gradients on every
+    rank (2x its shard at 2 ranks), which no parameter's .grad shows and which are gone by the end of the step;
+    --fsdp_reduce_every_micro_step keeps only the shard. ddp holds its replica either way."""
+    accum_4 = ["--batch_size", "8", "--grad_accum_steps", "4", "--max_steps", "2", "--save_every", "0"]
+    train(tmp_path / "last", *accum_4, *FSDP, nproc=2)
+    (last,), (ddp,) = metrics(tmp_path / "last", "memory"), metrics(ddp_accum, "memory")
+    assert sum(last["grad_bytes"]) == GRAD_BYTES and max(last["grad_bytes"]) <= GRAD_BYTES / 2 + ROWS_OF_ONE
+    assert last["peak_grad_bytes"] == [GRAD_BYTES, GRAD_BYTES], "the unsharded accumulated gradients"
+    assert ddp["peak_grad_bytes"] == ddp["grad_bytes"] == [GRAD_BYTES, GRAD_BYTES]
+    train(tmp_path / "every", *accum_4, *FSDP, *REDUCE_EVERY, nproc=2)
+    (every,) = metrics(tmp_path / "every", "memory")
+    assert every["peak_grad_bytes"] == every["grad_bytes"] == last["grad_bytes"], "only the rank's shard"
 
 
 def test_each_rank_holds_half_of_ddp_state_and_the_metrics_say_so(ddp, fsdp):
     (row_ddp,), (row_fsdp,) = metrics(ddp, "memory"), metrics(fsdp, "memory")
     assert row_ddp["strategy"] == "ddp" and row_fsdp["strategy"] == "fsdp"
-    rows_of_one = 4 * (192 + 1 + 32 + 1)  # the rounding remainder: one dim-0 row of each of the 4 parameters
     for kind in ("param_bytes", "grad_bytes", "optimizer_bytes"):
         whole, shards = row_ddp[kind], row_fsdp[kind]
         assert whole[0] == whole[1] > 0
         assert sum(shards) == whole[0], f"{kind}: the shards partition each tensor exactly"
-        assert max(shards) <= whole[0] / 2 + rows_of_one, kind
+        assert max(shards) <= whole[0] / 2 + ROWS_OF_ONE, kind
+    # Without accumulation a rank holds the most gradient after the backward: what grad_bytes says.
+    assert row_ddp["peak_grad_bytes"] == row_ddp["grad_bytes"] and row_fsdp["peak_grad_bytes"] == row_fsdp["grad_bytes"]
 
 
 def shard_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -280,6 +317,7 @@ def test_a_tied_weight_gpt_under_fsdp_matches_ddp_and_resumes_bitwise(tmp_path):
     (["--strategy", "hsdp"], "--strategy hsdp needs several nodes"),
     (["--strategy", "fsdp", "--fsdp_blocks", "Nope"], "--fsdp_blocks Nope: the model has no module of that class"),
     (["--strategy", "fsdp", "--static_graph"], "--static_graph does not apply to --strategy fsdp"),
+    (REDUCE_EVERY, "--fsdp_reduce_every_micro_step applies to --strategy fsdp or hsdp"),
 ])
 def test_wrong_strategy_flags_are_one_line_errors(tmp_path, flags, message):
     line = one_line_error(train(tmp_path, "--max_steps", "1", *flags, check=False))

@@ -37,7 +37,7 @@ TRAIN = {**COMMON, "lr": float, "samples_per_sec": float, "samples_per_sec_per_r
          "data_wait_s_by_rank": list}
 EVAL = {**COMMON, "accuracy": float, "samples": int}
 MEMORY = {"time": float, "step": int, "epoch": int, "split": str, "strategy": str, "param_bytes": list,
-          "grad_bytes": list, "optimizer_bytes": list, "peak_device_bytes": list}
+          "grad_bytes": list, "optimizer_bytes": list, "peak_grad_bytes": list, "peak_device_bytes": list}
 BAR_MARK = b"loss="  # tqdm's postfix; the log lines say "loss 1.23", never "loss="
 
 

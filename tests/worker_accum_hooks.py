@@ -7,8 +7,9 @@ Run under torchrun with 2 processes:
         [ddptrain train flags]
 
 It registers a communication hook on the trainer's DDP wrapper (the stock all-reduce, plus a counter), or
-gives each FSDP unit the stock reduce-scatter plus a counter, and runs `Trainer.fit()` unchanged. The train loader is wrapped only to count the micro-batches taken, so
-each hook call can be attributed to the micro-step whose backward pass triggered it. Rank 0 writes OUT.json.
+gives each FSDP unit the stock reduce-scatter plus a counter, and runs `Trainer.fit()` unchanged. The model's
+training forwards are counted, so each hook call can be attributed to the micro-step whose backward pass
+triggered it. Rank 0 writes OUT.json.
 """
 
 from __future__ import annotations
@@ -49,9 +50,17 @@ def main(argv: list[str]) -> None:
         counter = CountingLoader(trainer.train_loader)
         trainer.train_loader = counter
         micro_of_call: list[int] = []  # for each hook call: index (from 0) of the micro-batch being trained
+        # The trainer takes a step's micro-batches before its first forward (it counts their tokens first), so a
+        # hook call belongs to the micro-batch of the latest training forward: each backward follows its own.
+        forwards = [0]
+
+        def count_forward(module, args):
+            forwards[0] += module.training
+
+        trainer.module.register_forward_pre_hook(count_forward)
 
         def counting_allreduce(state, bucket):
-            micro_of_call.append(counter.taken - 1)
+            micro_of_call.append(forwards[0] - 1)
             return default_hooks.allreduce_hook(state, bucket)
 
         if trainer.parallel.sharded:
@@ -60,7 +69,7 @@ def main(argv: list[str]) -> None:
 
             class CountingReduceScatter(DefaultReduceScatter):
                 def __call__(self, *args, **kwargs):
-                    micro_of_call.append(counter.taken - 1)
+                    micro_of_call.append(forwards[0] - 1)
                     return super().__call__(*args, **kwargs)
 
             for unit in trainer.module.modules():

@@ -24,22 +24,25 @@ from typing import Any
 
 from ddptrain.config import TrainConfig, write_resolved
 from ddptrain.errors import Preempted, TrainingError, UsageError
+from ddptrain.parts import Parts
 
-__all__ = ["fit", "train_worker", "WorkerFailed"]
+__all__ = ["fit", "train_worker", "Parts", "WorkerFailed"]
+
+
 
 
 class WorkerFailed(TrainingError):
     """This rank's training failed; the cause is already logged, on stderr and in the launcher's error file."""
 
 
-def train_worker(cfg: TrainConfig, *, model: Any = None, datasets: tuple[Any, Any] | None = None,
-                 task: Any = None) -> dict[str, Any]:
-    """One training process: process group, rank logs, the Trainer. Returns `Trainer.fit`'s summary.
+def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]:
+    """One training process: process group, the job's run dir lock, rank logs, the Trainer. Returns
+    `Trainer.fit`'s summary. All ranks.
 
     Raises UsageError and Preempted as they are, and WorkerFailed for anything else after reporting it with
     this rank, its host and the step; the process groups are then aborted rather than destroyed.
     """
-    from ddptrain import netinfo
+    from ddptrain import netinfo, runlock
     from ddptrain.distributed import distributed
     from ddptrain.launch import LOCAL_LAUNCH_ENV
     from ddptrain.observe.log import setup_logging
@@ -48,7 +51,8 @@ def train_worker(cfg: TrainConfig, *, model: Any = None, datasets: tuple[Any, An
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    with distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx:
+    with (distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx,
+          runlock.held_by_job(ctx, runlock.job_dirs(cfg))):  # before this job writes anything into the run dir
         log = setup_logging(run_dir, ctx.rank, ctx.world_size, ctx.host)
         log.debug("address %s on interface %s, device %s", ctx.addr, ctx.interface, ctx.device)
         if ctx.is_main and ctx.world_size > 1:
@@ -59,7 +63,8 @@ def train_worker(cfg: TrainConfig, *, model: Any = None, datasets: tuple[Any, An
                 write_resolved(cfg, run_dir)
                 log.info("run dir %s · world size %d · backend %s · device %s", run_dir, ctx.world_size,
                          ctx.backend, ctx.device)
-            trainer = Trainer(cfg, ctx, run_dir, model=model, datasets=datasets, task=as_task(task))
+            parts = parts or Parts()
+            trainer = Trainer(cfg, ctx, run_dir, dataclasses.replace(parts, task=as_task(parts.task)))
             return trainer.fit()
         except (UsageError, Preempted) as exc:
             traceback.clear_frames(exc.__traceback__)  # as below: the exception must not keep the Trainer alive
@@ -96,15 +101,16 @@ def as_task(task: Any) -> Any:
 
 
 def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: Any = None,
-        config: TrainConfig | None = None, **overrides: Any) -> dict[str, Any] | None:
+        config: TrainConfig | None = None, *, collate_fn: Any = None, optimizer: Any = None, scheduler: Any = None,
+        **overrides: Any) -> dict[str, Any] | None:
     """Train `model` on `train_data`, evaluating on `eval_data`, as `config` (plus keyword overrides) says.
 
     `model`: an nn.Module, or fn(cfg) -> nn.Module (built after seeding, identically on every rank); None
     for the config's --model. `train_data` / `eval_data`: map-style datasets whose items may be any nesting of
     tensors; None for the config's --dataset. `task`: a built-in's name, an object with loss(model, batch)
-    (see ddptrain.tasks), or None for the config's --task. Returns the summary (step, epoch, eval metrics) in
-    the calling process, or None on ranks other than 0 under torchrun; raises UsageError for bad input and
-    TrainingError when training fails.
+    (see ddptrain.tasks), or None for the config's --task. `collate_fn`, `optimizer`, `scheduler`: see
+    `Parts`. Returns the summary (step, epoch, eval metrics) in the calling process, or None on ranks other
+    than 0 under torchrun; raises UsageError for bad input and TrainingError when training fails.
     """
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     for key in overrides:
@@ -118,28 +124,32 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
     from ddptrain.preflight import check_data
 
     check_data(cfg)
-    datasets = None if train_data is None else (train_data, eval_data)
+    parts = Parts(model, None if train_data is None else (train_data, eval_data), task, collate_fn, optimizer,
+                  scheduler)
     from ddptrain.distributed import read_launch_env
 
     env = read_launch_env()
     if env.launched or not cfg.nproc:
-        summary = train_worker(cfg, model=model, datasets=datasets, task=task)
+        summary = train_worker(cfg, parts)
         return summary if env.rank == 0 else None
-    return _spawn(cfg, model, datasets, task)
+    return _spawn(cfg, parts)
 
 
-def _spawn(cfg: TrainConfig, model: Any, datasets: Any, task: Any) -> dict[str, Any]:
+def _spawn(cfg: TrainConfig, parts: Parts) -> dict[str, Any]:
     """`cfg.nproc` local workers with torchrun's environment on a free port; rank 0's summary."""
     import torch.multiprocessing as mp
 
+    from ddptrain import runlock
     from ddptrain.procenv import free_port
 
     port = free_port()
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     try:
-        mp.start_processes(_spawned, args=(cfg, port, model, datasets, task, results), nprocs=cfg.nproc,
-                           start_method="spawn")
+        # As `ddptrain train --nproc`'s launcher: this process holds the job's lock, its workers get the token.
+        with runlock.acquire(runlock.job_dirs(cfg)) as lock:
+            mp.start_processes(_spawned, args=(cfg, port, parts, results, lock.token),
+                               nprocs=cfg.nproc, start_method="spawn")
     except mp.ProcessRaisedException as exc:
         last = str(exc).strip().splitlines()[-1]  # "module.Class: message" of the worker's exception
         if last.startswith("ddptrain.errors.UsageError: "):
@@ -150,15 +160,17 @@ def _spawn(cfg: TrainConfig, model: Any, datasets: Any, task: Any) -> dict[str, 
     return results.get()
 
 
-def _spawned(rank: int, cfg: TrainConfig, port: int, model: Any, datasets: Any, task: Any,
-             results: Any) -> None:
+def _spawned(rank: int, cfg: TrainConfig, port: int, parts: Parts, results: Any, lock_token: str) -> None:
+    from ddptrain.runlock import TOKEN_ENV
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.nproc),
                       LOCAL_WORLD_SIZE=str(cfg.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ[TOKEN_ENV] = lock_token
     if "OMP_NUM_THREADS" not in os.environ:  # as `--nproc` gives its workers: the cores shared out
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.nproc))
-    summary = train_worker(cfg, model=model, datasets=datasets, task=task)
+    summary = train_worker(cfg, parts)
     if rank == 0:
         results.put(summary)
 

@@ -29,19 +29,66 @@ def _rebuild(value: Any, parts: Callable[[Any], Any]) -> Any:
     return value
 
 
-def collate(items: list[Any]) -> Any:
-    """Stack a list of items of one structure into one batch of the same structure."""
+# What a padded position holds, by key, in the Hugging Face convention: labels that do not count, an
+# attention mask that says "padding"; input_ids get the pad token id.
+PAD_VALUES = {"labels": -100, "attention_mask": 0}
+
+
+def collate(items: list[Any], pad_id: int = 0) -> Any:
+    """Stack a list of items of one structure into one batch of the same structure.
+
+    Dicts whose values are 1-D sequences (tensors or lists of ints) of different lengths — tokenized text —
+    are padded on the right to the longest: `input_ids` with `pad_id`, `labels` with -100, `attention_mask`
+    with 0 (and added, all ones on the tokens, if the items have none), anything else with 0.
+    """
     first = items[0]
     if _is_dataclass(first):
-        return dataclasses.replace(first, **{f.name: collate([getattr(x, f.name) for x in items])
+        return dataclasses.replace(first, **{f.name: collate([getattr(x, f.name) for x in items], pad_id)
                                              for f in dataclasses.fields(first) if f.init})
     if isinstance(first, Mapping):
-        return {k: collate([x[k] for x in items]) for k in first}
+        return _collate_dict(items, pad_id)
     if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(collate(list(column)) for column in zip(*items)))
+        return type(first)(*(collate(list(column), pad_id) for column in zip(*items)))
     if isinstance(first, (list, tuple)):
-        return type(first)(collate(list(column)) for column in zip(*items))
+        return type(first)(collate(list(column), pad_id) for column in zip(*items))
     return default_collate(items)
+
+
+def _sequence(value: Any) -> torch.Tensor | None:
+    """`value` as a 1-D tensor if it is a sequence of token-like numbers, else None."""
+    if isinstance(value, torch.Tensor):
+        return value if value.dim() == 1 else None
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, bool)) for v in value):
+        return torch.tensor(value, dtype=torch.long)
+    return None
+
+
+def _collate_dict(items: list[Mapping], pad_id: int) -> dict[str, Any]:
+    batch: dict[str, Any] = {}
+    lengths = None
+    for key in items[0]:
+        column = [item[key] for item in items]
+        sequences = [_sequence(value) for value in column]
+        ragged = all(seq is not None for seq in sequences) and (
+            len({len(seq) for seq in sequences}) > 1 or not all(isinstance(v, torch.Tensor) for v in column))
+        if not ragged:
+            batch[key] = collate(column, pad_id)
+            continue
+        fill = pad_id if key == "input_ids" else PAD_VALUES.get(key, 0)
+        batch[key] = _pad(sequences, fill)
+        if key == "input_ids":
+            lengths = [len(seq) for seq in sequences]
+    if lengths is not None and "attention_mask" not in batch and min(lengths) < max(lengths):
+        batch["attention_mask"] = _pad([torch.ones(n, dtype=torch.long) for n in lengths], 0)
+    return batch
+
+
+def _pad(sequences: list[torch.Tensor], fill: int) -> torch.Tensor:
+    """1-D sequences as rows of one (len, longest) tensor, padded on the right with `fill`."""
+    padded = torch.full((len(sequences), max(len(seq) for seq in sequences)), fill, dtype=sequences[0].dtype)
+    for i, seq in enumerate(sequences):
+        padded[i, :len(seq)] = seq
+    return padded
 
 
 def to_device(batch: Any, device: torch.device, channels_last: bool = False) -> Any:

@@ -215,8 +215,15 @@ def commit(directory: Path, snap: Snapshot, files: dict[str, dict[str, Any]],
 
 
 def prepare_step_dir(directory: Path, step: int) -> Path:
-    """An empty step-N directory (a partial leftover of a crash is removed: committed ones never are)."""
+    """An empty step-N directory (a partial leftover of a crash is removed: committed ones never are).
+
+    A committed step-N here is another line's or another job's (this run moved its own later ones aside when
+    it started): raise CheckpointError naming it rather than destroy it.
+    """
     target = directory / f"step-{step}"
+    if (target / MANIFEST).exists():
+        raise CheckpointError(f"{target} is a committed checkpoint that this run did not start from; "
+                              "refusing to overwrite it (is another job writing into this checkpoint dir?)")
     if target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)

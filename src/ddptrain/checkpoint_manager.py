@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ddptrain import shards
 from ddptrain.checkpoint import (ABANDONED, MANIFEST, STEP_DIR, CheckpointError, Loaded, Position, Snapshot,
@@ -26,6 +27,12 @@ from ddptrain.errors import TrainingError, UsageError
 from ddptrain.faults import FaultInjector
 
 log = logging.getLogger("ddptrain")
+# DCP raises CheckpointException, a BaseException, on every rank when one rank's part failed; it carries each
+# failed rank's own exception.
+SAVE_ERRORS = (Exception, CheckpointException)
+PEER_FAILED = "a peer's write failed (it says why)"
+READ_ATTEMPTS = 3  # reads of one checkpoint before an I/O error counts as more than a hiccup
+READ_RETRY_S = 1.0  # the wait before the second read; the third waits twice as long
 
 
 class CheckpointManager:
@@ -39,7 +46,8 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._async_error: str | None = None
         self._staging: Any = None  # the last async save's CPU copy: its memory is reused by the next one
-        self.last_saved_step = -1
+        self._in_flight: int | None = None  # the step of an async save not yet agreed on by `wait`
+        self.last_saved_step = -1  # the newest step whose checkpoint every rank agreed committed
         self.origin = ""  # the --resume_from checkpoint that started this run's line, recorded in manifests
 
     def save(self, position: Position, make_snapshot: Callable[[], Snapshot], rng_state: dict[str, Any]) -> None:
@@ -49,29 +57,29 @@ class CheckpointManager:
         training thread, and written by a background thread; the next save (or `wait`) reports its fate.
         """
         self.wait()  # one save in flight at most; also surfaces a failed background write
-        gathered: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(gathered, rng_state, group=self.ctx.control_group)
         if self.sharded:
-            return self._save_sharded(position, make_snapshot, gathered)
+            return self._save_sharded(position, make_snapshot, self.ctx.all_gather_object(rng_state))
+        # Every rank's part of a full checkpoint is its RNG state: gathered with any failure to take it, so
+        # that rank 0 writes nothing unless every rank got this far.
+        gathered = self.ctx.all_gather_object((rng_state, self._snapshot_error(position.step)))
+        self._agree_on([error for _, error in gathered], position.step)
         error = None
         if self.ctx.is_main:
             try:
                 snap = make_snapshot()
-                snap.trainer = {**snap.trainer, "rng": gathered}
+                snap.trainer = {**snap.trainer, "rng": [rng for rng, _ in gathered]}
                 snap.origin = self.origin
                 if self.async_save:
                     # wait() above joined the previous writer, so its staging copy is free to overwrite.
                     self._staging = cpu_copy((snap.model, snap.optimizer, snap.trainer), self._staging)
                     snap = Snapshot(snap.position, *self._staging, snap.config, snap.origin)
-                    self._thread = threading.Thread(target=self._write_in_background, args=(snap,),
-                                                    name="ddptrain-checkpoint-writer", daemon=True)
-                    self._thread.start()
+                    self._in_background(lambda: self._write_and_retain(snap), "ddptrain-checkpoint-writer")
                 else:
                     error = self._write_and_retain(snap)
             except Exception as exc:  # a failure before writing: still every rank's error
                 error = f"{type(exc).__name__}: {exc}"
-        self.last_saved_step = position.step
         self._agree(error, position.step)
+        self._saved(position.step)
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -82,58 +90,66 @@ class CheckpointManager:
         return self._group
 
     def _save_sharded(self, position: Position, make_snapshot: Callable[[], Snapshot], rng: list[Any]) -> None:
-        """Every rank writes its shards (DCP); rank 0 commits once all reported theirs written. All ranks."""
-        error = None
-        if self.ctx.is_main:
-            try:
-                prepare_step_dir(self.directory, position.step)
-            except OSError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        self._agree(error, position.step)  # rank 0's verdict; also: nobody writes into a dir being cleaned
-        snap = make_snapshot()
-        snap.trainer = {**snap.trainer, "rng": rng}
-        snap.origin = self.origin
-        target = self.directory / f"step-{position.step}"
-        error = None
-        try:
-            written = shards.save(target, snap.shards, self.group, self.async_save)
-        except Exception as exc:  # DCP's collective save raises the same error on every rank
-            written, error = None, f"{type(exc).__name__}: {exc}"
-        if written is not None and self.async_save:
-            def commit_in_background() -> None:
-                self._async_error = self._commit_shards(written, snap, target)
+        """Every rank writes its shards (DCP); rank 0 commits once all reported theirs written. All ranks.
 
-            self._thread = threading.Thread(target=commit_in_background, name="ddptrain-checkpoint-commit",
-                                            daemon=True)
-            self._thread.start()
+        Every rank's snapshot is agreed on before DCP's first collective: a rank that fails before it would
+        leave its peers waiting inside DCP for the whole checkpoint limit, with the cause in no log.
+        """
+        step = position.step
+        error, snap = self._snapshot_error(step), None
+        try:
+            if self.ctx.is_main:
+                prepare_step_dir(self.directory, step)
+            if error is None:
+                snap = make_snapshot()  # this rank's shards: no collective
+                snap.trainer = {**snap.trainer, "rng": rng}
+                snap.origin = self.origin
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        self._agree(error, step)  # also: nobody writes into a directory rank 0 is still clearing
+        target = self.directory / f"step-{step}"
+        written = None
+        try:
+            written = shards.save(target, snap.shards, self.group, self.async_save,
+                                  written=lambda: self.injector.during_save(step) if self.injector else None)
+        except SAVE_ERRORS as exc:  # DCP's collective save raises on every rank when one rank's write failed
+            error = _failure(exc, self.ctx.rank)
+        if written is not None and self.async_save:
+            self._in_background(lambda: self._commit_shards(written, snap, target), "ddptrain-checkpoint-commit")
         elif written is not None:
             error = self._commit_shards(written, snap, target)
-        self.last_saved_step = position.step
-        self._agree(error, position.step)
+        self._agree(error, step)
+        self._saved(step)
 
     def _commit_shards(self, written: Any, snap: Snapshot, target: Path) -> str | None:
         """Each rank hashes its own files once written and reports to rank 0, which writes trainer.pt and the
-        manifest only if every rank succeeded. All ranks; returns rank 0's verdict (None on the others)."""
+        manifest only if every rank succeeded. All ranks; returns this rank's own failure, or None (rank 0:
+        also when a peer failed, which that peer reports)."""
         started = time.perf_counter()
         try:
             written.result()
             report: Any = shards.own_files(target, self.ctx.rank)
-        except Exception as exc:
-            report = f"{type(exc).__name__}: {exc}"
+        except SAVE_ERRORS as exc:
+            report = _failure(exc, self.ctx.rank)
         reports: list[Any] = [None] * self.ctx.world_size
-        dist.gather_object(report, reports if self.ctx.is_main else None, dst=0, group=self.group)
-        if not self.ctx.is_main:
-            return None
-        failed = [f"rank {r} ({self.ctx.hosts[r]}): {why}" for r, why in enumerate(reports) if isinstance(why, str)]
         try:
-            if failed:
-                raise RuntimeError(failed[0])
+            dist.gather_object(report, reports if self.ctx.is_main else None, dst=0, group=self.group)
+        except Exception as exc:  # a peer gone: this rank's own failure to report
+            return f"{type(exc).__name__}: {exc}"
+        if not self.ctx.is_main:
+            return report if isinstance(report, str) else None
+        failed = [r for r, why in enumerate(reports) if isinstance(why, str)]
+        if failed:
+            log.error("checkpoint of step %d not committed: rank(s) %s failed to write their shards",
+                      snap.position.step, failed)
+            return report if isinstance(report, str) else None
+        try:
             files = {name: digest for report in reports for name, digest in report.items()}
             write_atomic(target / "trainer.pt", _torch_bytes(snap.trainer))
             files["trainer.pt"] = file_digest(target / "trainer.pt")
             commit(self.directory, snap, files, self.injector, layout="sharded")
         except Exception as exc:
-            message = str(exc) if failed else f"{type(exc).__name__}: {exc}"
+            message = f"{type(exc).__name__}: {exc}"
             log.error("checkpoint of step %d not committed: %s", snap.position.step, message)
             return message
         log.info("checkpoint committed: %s (%d shard files, %.2f s)", target, len(files) - 1,
@@ -141,26 +157,72 @@ class CheckpointManager:
         self.purge(keep_step=snap.position.step)
         return None
 
+    def _in_background(self, work: Callable[[], str | None], name: str) -> None:
+        """Run a save's writing and committing on a thread; whatever it raises or returns is this rank's
+        verdict, which `wait` agrees on with every rank."""
+        def run() -> None:
+            try:
+                self._async_error = work()
+            except BaseException as exc:  # nothing may escape unreported: `wait` must see every failure
+                self._async_error = f"{type(exc).__name__}: {exc}"
+
+        self._async_error = None
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
     def wait(self) -> None:
-        """Block until a background save has finished; raise its error on every rank. All ranks."""
+        """Block until a background save has finished; raise every rank's error on every rank. All ranks.
+
+        A save in flight counts as saved only once this agreed it committed: after a failure the step is
+        not saved, so a later save of it (the final one) writes it again.
+        """
         if not self.async_save:
             return
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         error, self._async_error = self._async_error, None
-        self._agree(error, self.last_saved_step)
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            self._agree(error, step)
+            self.last_saved_step = step
+
+    def _saved(self, step: int) -> None:
+        if self.async_save:
+            self._in_flight = step
+        else:
+            self.last_saved_step = step
+
+    @property
+    def pending_step(self) -> int:
+        """The step of the newest save, committed or still in flight (-1 before any)."""
+        return self._in_flight if self._in_flight is not None else self.last_saved_step
+
+    def _snapshot_error(self, step: int) -> str | None:
+        """The fault injector's `at=snapshot` point, on every rank as it takes its part of a checkpoint."""
+        try:
+            if self.injector is not None:
+                self.injector.at_snapshot(step)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def _agree(self, error: str | None, step: int) -> None:
+        """Every rank's outcome of the save of `step`; raise on every rank, naming each rank that failed and
+        why, if any did. All ranks."""
         # The other ranks wait here while rank 0 serialises, hashes and writes: that takes its own limit,
         # not the collective timeout meant for a training step.
         with self.ctx.collective_timeout(self.timeout_s):
-            error = self.ctx.broadcast_object(error)
-        if error is not None:
-            raise TrainingError(f"checkpoint of step {step} failed on rank 0 ({self.ctx.hosts[0]}): {error}")
+            errors = self.ctx.all_gather_object(error)
+        self._agree_on(errors, step)
 
-    def _write_in_background(self, snap: Snapshot) -> None:
-        self._async_error = self._write_and_retain(snap)
+    def _agree_on(self, errors: list[str | None], step: int) -> None:
+        """Raise naming each rank whose entry of `errors` (every rank's, gathered) is a failure."""
+        failed = [(rank, why) for rank, why in enumerate(errors) if why is not None]
+        causes = [(rank, why) for rank, why in failed if why != PEER_FAILED]  # the ranks that know why
+        failed = [f"rank {rank} ({self.ctx.hosts[rank]}): {why}" for rank, why in (causes or failed)]
+        if failed:
+            raise TrainingError(f"checkpoint of step {step} failed on {'; '.join(failed)}")
 
     def _write_and_retain(self, snap: Snapshot) -> str | None:
         """Rank 0: write, commit, purge. Returns the failure as one line, or None."""
@@ -257,17 +319,7 @@ class CheckpointManager:
             candidates.append(Path(explicit))
         reasons = []
         for path in candidates:
-            loaded, reason = None, None
-            try:
-                loaded = read_checkpoint(path, self.ctx.device, share=(self.ctx.rank, self.ctx.world_size))
-                _check_fits(loaded.weight_shapes(), model_state)
-            except CheckpointError as exc:
-                reason = str(exc)
-            except Exception as exc:  # I/O errors and the like: still a reason, not a crash
-                reason = f"{type(exc).__name__}: {exc}"
-            failures: list[Any] = [None] * self.ctx.world_size
-            dist.all_gather_object(failures, reason, group=self.ctx.control_group)
-            bad = [(r, why) for r, why in enumerate(failures) if why is not None]
+            loaded, bad = self._read_agreed(path, model_state)
             if not bad:
                 log.info("resuming from %s (step %d)", path, loaded.manifest["step"])
                 self.origin = origin or loaded.manifest.get("origin", "")
@@ -284,6 +336,48 @@ class CheckpointManager:
                              "or start fresh with --no-auto_resume or another --run_dir")
         return None
 
+    def _read_agreed(self, path: Path, model_state: dict[str, torch.Tensor]) -> tuple[Loaded | None, list]:
+        """Read and verify `path` on every rank: (the checkpoint, []) when all ranks read it, or (None, [(rank,
+        reason), ...]) when it is proven bad on some rank (a digest, the format, a model it does not fit). All
+        ranks.
+
+        Only proof demotes a checkpoint: an I/O error may be the filesystem's, not the checkpoint's (a
+        network filesystem's hiccup), so the read is tried again, READ_ATTEMPTS times in all, and if it still
+        fails the run stops with the error and nothing is moved aside. Any other error is a failure too.
+        """
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            loaded, outcome = None, None
+            try:
+                if self.injector is not None:
+                    match = STEP_DIR.match(path.name)
+                    self.injector.at_load(int(match.group(1)) if match else -1)
+                loaded = read_checkpoint(path, self.ctx.device, share=(self.ctx.rank, self.ctx.world_size))
+                _check_fits(loaded.weight_shapes(), model_state)
+            except CheckpointError as exc:
+                outcome = ("bad", str(exc))
+            except OSError as exc:
+                outcome = ("io", f"{type(exc).__name__}: {exc}")
+            except Exception as exc:
+                outcome = ("error", f"{type(exc).__name__}: {exc}")
+            outcomes = self.ctx.all_gather_object(outcome)
+            failed = [(rank, *o) for rank, o in enumerate(outcomes) if o is not None]
+            if not failed:
+                return loaded, []
+            bad = [(rank, why) for rank, kind, why in failed if kind == "bad"]
+            if bad:
+                return None, bad
+            rank, kind, why = failed[0]
+            if kind == "io" and attempt < READ_ATTEMPTS:
+                if self.ctx.is_main:
+                    log.warning("reading checkpoint %s failed on rank %d (%s); trying again (%d of %d)", path,
+                                rank, why, attempt + 1, READ_ATTEMPTS)
+                time.sleep(READ_RETRY_S * attempt)
+                continue
+            tries = f" after {READ_ATTEMPTS} tries" if kind == "io" else ""
+            raise TrainingError(f"cannot read checkpoint {path} on rank {rank} ({self.ctx.hosts[rank]}){tries}: "
+                                f"{why}; nothing was moved or deleted: fix the cause and run the same command again")
+        raise AssertionError("unreachable")
+
 
 def _check_fits(saved: dict[str, tuple[int, ...]], current: dict[str, torch.Tensor]) -> None:
     missing = sorted(set(current) - set(saved))
@@ -295,3 +389,14 @@ def _check_fits(saved: dict[str, tuple[int, ...]], current: dict[str, torch.Tens
         if saved[key] != tuple(tensor.shape):
             raise CheckpointError(f"model weight {key} has shape {saved[key]}, this model "
                                   f"needs {tuple(tensor.shape)}")
+
+
+def _failure(exc: BaseException, rank: int) -> str:
+    """One line for a failed save on `rank`: its own cause, or PEER_FAILED when DCP raised for another rank's."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and isinstance(failures, dict) and failures:
+        own = failures.get(rank)
+        if own is None:
+            return PEER_FAILED
+        exc = own[0] if isinstance(own, tuple) else own  # DCP keeps (exception, its traceback summary)
+    return f"{type(exc).__name__}: {exc}"

@@ -75,15 +75,22 @@ def cmd_train(argv: list[str]) -> int:
                              "(RANK is set); drop --nproc and use the launcher's --nproc-per-node")
         return run_worker(cfg)
     if cfg.nproc:
+        from ddptrain import runlock
         from ddptrain.config import write_resolved
         from ddptrain.launch import LOCAL_LAUNCH_ENV, launch_local, strip_flag
 
         run_dir = Path(cfg.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_resolved(cfg, run_dir)  # with the launch settings
-        os.environ[LOCAL_LAUNCH_ENV] = "1"
-        worker_argv = strip_flag(strip_flag(argv, "--nproc"), "--max_restarts")
-        return launch_local("train", worker_argv, cfg.nproc, cfg.max_restarts, run_dir)
+        # The launcher writes config.toml and outlives its workers' restarts: it holds the job's lock, and its
+        # workers know that lock as theirs by the token.
+        with runlock.acquire(runlock.job_dirs(cfg)) as lock:
+            write_resolved(cfg, run_dir)  # with the launch settings
+            os.environ[LOCAL_LAUNCH_ENV] = "1"
+            os.environ[runlock.TOKEN_ENV] = lock.token
+            worker_argv = strip_flag(strip_flag(argv, "--nproc"), "--max_restarts")
+            try:
+                return launch_local("train", worker_argv, cfg.nproc, cfg.max_restarts, run_dir)
+            finally:
+                del os.environ[runlock.TOKEN_ENV]
     return run_worker(cfg)
 
 

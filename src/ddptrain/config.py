@@ -33,13 +33,29 @@ class TrainConfig:
     # --- model and data -------------------------------------------------------------------------
     task: str = opt("classification", "what a step computes: classification, regression, language_model, or "
                     "plug-in 'pkg.mod:fn' with fn(cfg) -> an object with loss(model, batch)", group="model and data")
-    model: str = opt("mini_resnet", "model: built-in name (mini_resnet, mlp, gpt) or plug-in 'pkg.mod:fn' with "
-                     "fn(cfg) -> nn.Module", group="model and data")
+    model: str = opt("mini_resnet", "model: built-in name (mini_resnet, mlp, gpt), plug-in 'pkg.mod:fn' with "
+                     "fn(cfg) -> nn.Module, or 'hf:NAME_OR_DIR', a transformers model for the task (a directory "
+                     "with weights, or with a config.json alone: fresh weights)", group="model and data")
     dataset: str = opt("synthetic", "dataset: built-in name (synthetic, cifar10, cifar100, imagefolder, "
-                       "digits, pydoc, tokens) or plug-in 'pkg.mod:fn' with fn(cfg) -> (train_ds, eval_ds | None)",
-                       group="model and data")
+                       "digits, pydoc, tokens), plug-in 'pkg.mod:fn' with fn(cfg) -> (train_ds, eval_ds | None), "
+                       "or 'hf:PATH', records of a JSON lines or Parquet file or a datasets.save_to_disk "
+                       "directory, tokenized with --tokenizer", group="model and data")
     data_dir: str = opt("", "directory of a file-based dataset (cifar10, cifar100, imagefolder, tokens)",
                         group="model and data")
+    tokenizer: str = opt("", "a Hugging Face tokenizer directory (tokenizer.json, or what save_pretrained "
+                         "writes) for --dataset hf:PATH and `ddptrain prepare-text --tokenizer`", group="model and data")
+    text_field: str = opt("text", "hf datasets: the field holding the text (language_model without "
+                          "--prompt_field; classification)", group="model and data")
+    prompt_field: str = opt("", "hf datasets, language_model: the field of the prompt, which is masked from the "
+                            "loss (labels -100); with --response_field", group="model and data")
+    response_field: str = opt("", "hf datasets, language_model: the field of the response the model learns",
+                              group="model and data")
+    label_field: str = opt("label", "hf datasets, classification: the field of the class index",
+                           group="model and data")
+    eval_data: str = opt("", "hf datasets: a held-out file or directory in the same format (default: the "
+                         "dataset's own validation or test split, if it has one)", group="model and data")
+    pad_token_id: int = opt(-1, "the token id padding gets in variable-length batches (-1: the tokenizer's pad "
+                            "token, else its end-of-text token, else 0)", min=-1, group="model and data")
     top_k: int = opt(0, "classification: also report top-k accuracy for this k (0 = top-1 only)", min=0,
                      group="model and data")
     seq_len: int = opt(128, "language_model: tokens per training sequence (the model's context)", min=2,
@@ -66,22 +82,27 @@ class TrainConfig:
     # --- batch and schedule ---------------------------------------------------------------------
     batch_size: int = opt(64, "micro-batch size per process; global batch = batch_size * world size * "
                           "grad_accum_steps", min=1)
-    grad_accum_steps: int = opt(1, "micro-batches per optimizer step (gradients all-reduced on the last only)",
-                                min=1)
+    grad_accum_steps: int = opt(1, "micro-batches per optimizer step (gradients reduced on the last only; see "
+                                "--fsdp_reduce_every_micro_step)", min=1)
     epochs: int = opt(10, "passes over the training data", min=1)
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)", min=0)
     optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adamw"))
     lr: float = opt(0.01, "peak learning rate", min=0.0)
     momentum: float = opt(0.9, "SGD momentum (AdamW: beta1)", min=0.0)
     weight_decay: float = opt(1e-4, "weight decay", min=0.0)
-    lr_schedule: str = opt("constant", "learning-rate schedule after warmup", choices=("constant", "cosine"))
+    decay_all: bool = opt(False, "adamw: also decay biases, norm weights and embeddings (default: not, the "
+                          "transformers convention); sgd always decays every parameter")
+    lr_schedule: str = opt("constant", "learning-rate schedule after warmup: constant, cosine (to --min_lr), "
+                           "linear (to --min_lr)", choices=("constant", "cosine", "linear"))
     warmup_steps: int = opt(0, "linear warmup from 0 to lr over this many optimizer steps", min=0)
-    min_lr: float = opt(0.0, "final learning rate of the cosine schedule", min=0.0)
+    min_lr: float = opt(0.0, "final learning rate of the cosine and linear schedules", min=0.0)
     scale_lr: bool = opt(False, "linear scaling rule: lr *= global_batch_size / base_batch_size")
     base_batch_size: int = opt(256, "global batch size that --lr was tuned for (used by --scale_lr)", min=1)
     grad_clip: float = opt(0.0, "clip the global gradient norm to this value (0 = no clipping)", min=0.0)
     use_amp: bool = opt(False, "automatic mixed precision (autocast; bf16 on CPU)")
     amp_dtype: str = opt("bf16", "autocast dtype; fp16 adds a GradScaler and needs CUDA", choices=("bf16", "fp16"))
+    max_skipped_steps: int = opt(25, "with --on_nonfinite skip: fail the run after this many updates in a row were "
+                                 "skipped (0 = never)", min=0)
     on_nonfinite: str = opt("skip", "when the global gradient norm is NaN/inf: skip the update, or stop",
                             choices=("skip", "stop"))
     seed: int = opt(42, "seed for model init, data order and augmentation", min=0)
@@ -108,6 +129,12 @@ class TrainConfig:
     fsdp_blocks: str = opt("", "fsdp/hsdp: the module classes sharded as one unit each, comma-separated class "
                            "names, or 'pkg.mod:fn' returning the modules (default: the model's fsdp_blocks)",
                            group="distributed")
+    fsdp_reduce_every_micro_step: bool = opt(False, "fsdp/hsdp with --grad_accum_steps > 1: reduce-scatter the "
+                                             "gradients on every micro-step, so between micro-steps a rank holds "
+                                             "only its 1/N shard of them, not the whole model's unsharded fp32 "
+                                             "gradients; costs one reduce-scatter per micro-step instead of one "
+                                             "per step (hsdp: the cross-node all-reduce too). No effect with "
+                                             "--grad_accum_steps 1", group="distributed")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB", min=0.0, group="distributed")
     static_graph: bool = opt(False, "tell DDP the graph is the same every step (not with --grad_accum_steps > 1)",
                              group="distributed")
@@ -152,6 +179,10 @@ class TrainConfig:
                             "(see docs/checkpoints.md; also DDPTRAIN_FAULT)", group="observability")
 
     # --- performance ----------------------------------------------------------------------------
+    activation_checkpointing: bool = opt(False, "recompute each block's activations in backward instead of "
+                                         "keeping them (the blocks FSDP shards: --fsdp_blocks, the model's "
+                                         "fsdp_blocks, a transformers model's own), under ddp and fsdp",
+                                         group="performance")
     channels_last: bool = opt(False, "channels_last memory format for model and inputs", group="performance")
     compile: bool = opt(False, "torch.compile the model", group="performance")
 
@@ -197,6 +228,9 @@ class TrainConfig:
                                      ("sync_batchnorm", self.sync_batchnorm, "it is a DDP setting; drop it")):
                 if value:
                     raise UsageError(f"--{flag} does not apply to --strategy {self.strategy}: {why}")
+        if self.fsdp_reduce_every_micro_step and self.strategy == "ddp":
+            raise UsageError("--fsdp_reduce_every_micro_step applies to --strategy fsdp or hsdp (ddp holds whole "
+                             "gradients anyway); drop the flag or pass --strategy fsdp")
         if self.static_graph and self.grad_accum_steps > 1:
             # DDP's static graph counts one gradient-ready hook per parameter per iteration; no_sync's
             # extra backward passes break that count (a torch internal assert, reproduced on 2.13).
@@ -220,7 +254,12 @@ class TrainConfig:
             raise UsageError(f"--width {self.width} must be a multiple of --num_heads {self.num_heads} for --model gpt")
         for flag, builtins in (("task", BUILTIN_TASKS), ("model", BUILTIN_MODELS), ("dataset", BUILTIN_DATASETS)):
             name = getattr(self, flag)
-            if ":" in name:
+            if flag != "task" and name.startswith("hf:"):
+                from ddptrain import hf  # a name, a file or a directory: checked by preflight and the builders
+
+                if flag == "model":
+                    hf.check_model(self)
+            elif ":" in name:
                 load_plugin(name, f"--{flag}")
             elif name not in builtins:
                 raise UsageError(f"--{flag} {name!r}: not a built-in ({', '.join(builtins)}) nor a 'pkg.mod:fn' "

@@ -11,14 +11,18 @@ exactly the samples the uninterrupted run would have seen. Random augmentation i
 from __future__ import annotations
 
 import contextlib
-import logging
+import mmap
 import multiprocessing
+import multiprocessing.context
 import os
+import pickle
 import queue
 import random
 import signal
+import sys
 import threading
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -29,10 +33,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from ddptrain.batch import _rebuild
 from ddptrain.batch import collate as collate_items
 from ddptrain.config import TEXT_DATASETS, TrainConfig, load_plugin
-from ddptrain.distributed import quiet_gloo_threads
 from ddptrain.errors import UsageError
-
-log = logging.getLogger("ddptrain")
 
 EVAL_EPOCH = -1  # the epoch key of eval samples: no augmentation stream is tied to it
 
@@ -204,7 +205,11 @@ class ShardedEvalSampler:
 # --- building datasets and loaders ---------------------------------------------------------------
 
 def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
-    """(train, eval or None) for `--dataset`: a built-in name or a 'pkg.mod:fn' plug-in."""
+    """(train, eval or None) for `--dataset`: a built-in name, a 'pkg.mod:fn' plug-in or 'hf:PATH' records."""
+    if cfg.dataset.startswith("hf:"):
+        from ddptrain import hf
+
+        return hf.build_datasets(cfg)
     if ":" in cfg.dataset:
         result = load_plugin(cfg.dataset, "--dataset")(cfg)
         if not (isinstance(result, tuple) and len(result) == 2):
@@ -283,37 +288,119 @@ class BackgroundBatches:
         self._thread.join()
 
 
-def forks_workers(loader: Iterable | None) -> bool:
-    """Whether the next pass over `loader` forks worker processes: a persistent-worker loader's first pass,
-    every pass of a loader with non-persistent workers."""
-    return getattr(loader, "num_workers", 0) > 0 and getattr(loader, "_iterator", None) is None
-
-
-def start_pass(loader: Iterable, settle: Callable[[], None] | None = None) -> Iterator:
-    """`iter(loader)`, where that forks loader workers only once no gloo thread is running (see
-    `quiet_gloo_threads`: a worker forked at the wrong instant hangs before it starts). The caller's
-    collectives in flight must be waited for first: by the caller, or by `settle` when this pass forks."""
-    if forks_workers(loader):
-        if settle is not None:
-            settle()
-        if not quiet_gloo_threads():
-            log.debug("forking loader workers while a gloo thread still runs (a collective of another thread?)")
-    return iter(loader)
+def start_pass(loader: Iterable) -> Iterator:
+    """`iter(loader)`, which starts the loader's worker processes where this pass does (a persistent-worker
+    loader's first pass, every pass of a stream). Started from a forkserver (`worker_context`), each worker
+    receives the dataset pickled: one that cannot cross is a UsageError saying what to change."""
+    context = getattr(loader, "multiprocessing_context", None)
+    forkserver = context is not None and context.get_start_method() == "forkserver"
+    try:
+        if not forkserver:
+            return iter(loader)
+        # A worker started by the forkserver receives its dataset pickled, each tensor's memory as a shared
+        # file: by name, not as a file descriptor (a process start passes at most ~250 of those), so a
+        # dataset of many tensors (tokenized records) crosses too.
+        with _sharing_strategy("file_system"):
+            return iter(loader)
+    except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
+        if not forkserver:
+            raise
+        raise UsageError(
+            f"the loader's worker processes could not start: {type(exc).__name__}: {exc}. On Python "
+            f"{sys.version.split()[0]} they start from a forkserver, not by forking the trainer (CPython "
+            "gh-112275, fixed in 3.11.10: a worker forked while a gloo thread enters Python can hang), so each "
+            "receives the dataset pickled, as under spawn: define its class at module level (in the script "
+            "itself under an `if __name__ == \"__main__\":` guard), keep what it holds picklable, or use "
+            "--num_workers 0") from exc
 
 
 @contextlib.contextmanager
-def epoch_batches(loader: Iterable, background: bool,
-                  settle: Callable[[], None] | None = None) -> Iterator[Iterator]:
-    """The batches of one pass over `loader`; with `background`, received on a thread (see above). `settle`:
-    see `start_pass`."""
+def _sharing_strategy(strategy: str) -> Iterator[None]:
+    import torch.multiprocessing as mp
+
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy(strategy)
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(before)
+
+
+@contextlib.contextmanager
+def epoch_batches(loader: Iterable, background: bool) -> Iterator[Iterator]:
+    """The batches of one pass over `loader`; with `background`, received on a thread (see above)."""
     if not background:
-        yield start_pass(loader, settle)
+        yield start_pass(loader)
         return
-    batches = BackgroundBatches(start_pass(loader, settle))
+    batches = BackgroundBatches(start_pass(loader))
     try:
         yield batches
     finally:
         batches.close()
+
+
+# --- how loader workers start ----------------------------------------------------------------------
+
+# What every worker imports, once, in the forkserver; loader_server first: it takes the forkserver out of the
+# trainer's signals.
+FORKSERVER_PRELOAD = ["ddptrain.loader_server", "torch", "ddptrain.data"]
+
+
+def fork_is_safe(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
+    """Whether CPython `version` can fork a loader worker from a process whose other threads enter Python.
+
+    A native thread entering Python (a gloo worker thread freeing a finished collective's tensors, for which
+    pybind11 makes it a thread state) links its thread state in under CPython's runtime lock (HEAD_LOCK),
+    without the GIL. A fork at that instant copies the lock held, and CPython before 3.11.10 takes it again
+    in the child's PyOS_AfterFork_Child before resetting it: the worker hangs before its first line of
+    Python, and its trainer waits for the batch for good. CPython gh-112275: fixed in 3.12.0, and for 3.11
+    by python/cpython#112336 in 3.11.10 (its Misc/NEWS.d/3.11.10.rst). No look at the trainer's threads can
+    rule the instant out: a collective in flight on any thread may finish during the fork.
+    """
+    return tuple(version) >= (3, 11, 10)
+
+
+def worker_context() -> multiprocessing.context.BaseContext | None:
+    """How this process's loader workers start: forked from the trainer where that is safe (None: torch's
+    default), else by a forkserver (see `fork_is_safe`). The forkserver is a single-threaded process that
+    imports torch and this module once and forks every worker from itself, so no thread can hold a lock at
+    the fork. It is started at the first call (make_loader, while the Trainer is being built), so that its
+    imports overlap the building of the model instead of delaying the first batch; a forkserver that died
+    (a signal to the job's process group) is started again.
+
+    A worker started so receives its dataset and collate function pickled, as under spawn (see `start_pass`):
+    tensors cross in shared memory, memory-mapped arrays as their file's name (`_reduce_memmap`). Its
+    parent process, as `multiprocessing.parent_process()` sees it, is still the trainer (`worker_init`).
+    """
+    if fork_is_safe():
+        return None
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect on one already running
+    forkserver.ensure_running()
+    return context
+
+
+def _reduce_memmap(array: np.memmap) -> tuple:
+    """A memory-mapped array crosses to a worker started by the forkserver as its file's name and the place
+    of its bytes, mapped again there. Pickled like any array it would be copied whole into every worker (a
+    token file, CIFAR's 150 MB) where a forked worker shared the trainer's pages."""
+    if array._mmap is None:  # not a view of a file
+        return array.__reduce__()
+    mapping = np.frombuffer(array._mmap, dtype=np.uint8)
+    mapped_from = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY  # where numpy began the mapping
+    start = mapped_from + array.__array_interface__["data"][0] - mapping.__array_interface__["data"][0]
+    mode = "r+" if array.mode == "w+" else array.mode  # (w+ would truncate the file)
+    return _map_again, (array.filename, mode, array.dtype, array.shape, array.strides, start)
+
+
+def _map_again(filename: str, mode: str, dtype: np.dtype, shape: tuple, strides: tuple, start: int) -> np.ndarray:
+    whole = np.memmap(filename, dtype=np.uint8, mode=mode)
+    return np.ndarray(shape, dtype, buffer=whole, offset=start, strides=strides)
+
+
+ForkingPickler.register(np.memmap, _reduce_memmap)  # the pickler of what a spawned or forkserver child receives
 
 
 def worker_init(worker_id: int) -> None:
@@ -323,6 +410,8 @@ def worker_init(worker_id: int) -> None:
     # loader still stops its workers directly, and they exit by themselves if the trainer dies.
     os.setpgrp()
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # both ignored by the forkserver this worker may come from
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Thread(target=_exit_with_trainer, name="ddptrain-orphan-check", daemon=True).start()
     # Workers get distinct torch seeds from the loader; numpy and random must follow them explicitly.
     seed = torch.initial_seed()
@@ -335,7 +424,9 @@ def _exit_with_trainer() -> None:
     but then leaves gracefully: it joins its queue's feeder thread, and a feeder blocked on a full result
     pipe (batches sent by value fill it) waits for good, since the sibling workers hold the pipe's read
     end. The orphans would keep the trainer's stdout open and its memory mapped. The parent's sentinel pipe
-    closes when it dies, even if that was before this worker got here."""
+    closes when it dies, even if that was before this worker got here. A worker started by the forkserver
+    is the forkserver's child (torch's own check watches that one), but its `parent_process()` is still the
+    trainer: the process that asked for it, whose end of the sentinel pipe nothing else holds."""
     trainer = multiprocessing.parent_process()
     if trainer is not None:
         trainer.join()
@@ -387,29 +478,47 @@ def by_value(batch: Any) -> Any:
     return _rebuild(batch, by_value)
 
 
-def collate(items: list[tuple[int, Any]]) -> tuple[list[int], Any]:
-    """(indices as a list, the items collated into one batch of their structure). In a loader worker the
-    ids and the batch's small tensors travel in the batch's pickle (`by_value`) instead of as shared-memory
-    tensors, whose handoff costs a socket round trip each, however small."""
-    indices, samples = zip(*items)
-    batch = collate_items(list(samples))
-    if get_worker_info() is not None:  # pickled to the training process next
-        batch = by_value(batch)
-    return list(indices), batch
+class Collate:
+    """A loader's collate: (indices as a list, the items made into one batch). `batch_of` is the user's
+    collate_fn (fit's `collate_fn=`, or a dataset's `collate_fn` attribute); else ddptrain's, which stacks items
+    of any structure and pads token sequences with `pad_id`. In a loader worker the batch's small tensors
+    travel in its pickle (`by_value`) instead of as shared-memory tensors, whose handoff costs a socket round
+    trip each, however small."""
+
+    def __init__(self, batch_of: Callable[[list[Any]], Any] | None = None, pad_id: int = 0):
+        self.batch_of, self.pad_id = batch_of, pad_id
+
+    def __call__(self, items: list[tuple[int, Any]]) -> tuple[list[int], Any]:
+        indices, samples = zip(*items)
+        batch = self.batch_of(list(samples)) if self.batch_of is not None else collate_items(list(samples), self.pad_id)
+        if get_worker_info() is not None:  # pickled to the training process next
+            batch = by_value(batch)
+        return list(indices), batch
+
+
+def collate_for(dataset: Any, cfg: TrainConfig, collate_fn: Callable[[list[Any]], Any] | None = None) -> Collate:
+    """The collate of `dataset`'s loader: `collate_fn`, else the dataset's own `collate_fn`, else ddptrain's with
+    --pad_token_id (or the dataset's `pad_token_id`, as tokenized hf: datasets carry it, else 0)."""
+    pad_id = cfg.pad_token_id if cfg.pad_token_id >= 0 else getattr(dataset, "pad_token_id", 0)
+    return Collate(collate_fn or getattr(dataset, "collate_fn", None), pad_id)
+
+
+collate = Collate()  # the default: ddptrain's own, padding with 0
 
 
 def make_loader(dataset: Dataset, batch_sampler: Any, cfg: TrainConfig, device: torch.device,
-                seed: int) -> DataLoader:
+                seed: int, collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
     """A DataLoader over `SeededSamples` keys; yields (indices, batch) pairs."""
     workers = cfg.num_workers
     return DataLoader(
         SeededSamples(dataset, cfg.seed),
         batch_sampler=batch_sampler,
-        collate_fn=collate,
+        collate_fn=collate_for(dataset, cfg, collate_fn),
         num_workers=workers,
         pin_memory=device.type == "cuda",
-        persistent_workers=workers > 0,  # no re-fork of workers (and re-import of the dataset) per epoch
+        persistent_workers=workers > 0,  # no restart of workers (and re-import of the dataset) per epoch
         prefetch_factor=4 if workers > 0 else None,
         worker_init_fn=worker_init if workers > 0 else None,
+        multiprocessing_context=worker_context() if workers > 0 else None,
         generator=torch.Generator().manual_seed(seed),  # never draws from the global RNG
     )

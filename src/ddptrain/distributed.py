@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import gc
 import logging
 import os
 import socket
-import sys
-import threading
-import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -27,8 +26,6 @@ from ddptrain.errors import UsageError
 
 log = logging.getLogger("ddptrain")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-TEARDOWN_TIMEOUT_S = 60.0  # a healthy teardown takes milliseconds (gloo) to seconds (NCCL)
-GLOO_THREAD = "pt_gloo_runloop"  # what torch names a gloo process group's worker threads
 
 
 @dataclass
@@ -138,12 +135,33 @@ class DistributedContext:
 
         return wait
 
+    def start_sum(self, values: list[float]) -> Callable[[], float]:
+        """Start summing the first of `values` over all ranks on the control group (float64: exact for counts);
+        the function returned waits for it. Must be called on all ranks, in the same order as other
+        collectives of the control group."""
+        tensor = torch.tensor(values, dtype=torch.float64)
+        work = dist.all_reduce(tensor, group=self.control_group, async_op=True)
+
+        def wait() -> float:
+            work.wait()
+            return tensor[0].item()
+
+        return wait
+
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """Rank `src`'s `obj` on every rank (pickled between our own processes only). All ranks."""
         box = [obj]
         if self.world_size > 1:
             dist.broadcast_object_list(box, src=src, group=self.control_group)
         return box[0]
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's `obj`, indexed by rank (pickled between our own processes only). All ranks."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[object] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control_group)
+        return out
 
     def set_collective_timeout(self, seconds: float) -> None:
         """Switch every group's collective timeout (tier two, after the first step). All ranks."""
@@ -192,11 +210,6 @@ class LaggedVote:
             self._pending = (work, tensor)
         return agreed
 
-    def settle(self) -> None:
-        """Wait for the vote in flight, if any, keeping its result for the next `exchange` or `drain`."""
-        if self._pending is not None:
-            self._pending[0].wait()
-
     def drain(self) -> list[float] | None:
         """Wait for the vote in flight, if any, and return its result. All ranks."""
         if self._pending is None:
@@ -230,7 +243,8 @@ def _enable_nccl_diagnostics(run_dir: Path) -> None:
 def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[DistributedContext]:
     """Initialise the process group for this worker and destroy it on every exit path.
 
-    Must be entered on all ranks.
+    Must be entered on all ranks. What holds a process group from C++ (a Trainer: DDP's reducer) must be
+    unreachable from the caller when the block ends: it is collected here, before the groups (`_teardown`).
     """
     env = read_launch_env()
     backend = resolve_backend(backend)
@@ -253,17 +267,17 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
     # which building DDP does (through torch._dynamo). Imported after init, those defaults hold the default
     # group for the life of the interpreter: destroying it frees nothing, and its gloo threads run on into
     # interpreter finalization. Imported before, the defaults are None (the default group, looked up per call).
-    import torch.distributed.nn  # noqa: F401
+    importlib.import_module("torch.distributed.nn")  # a plain `import torch...` here would make `torch` local
     dist.init_process_group(**kwargs)
     failed, ctx = False, None
     try:
-        control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
         ctx = DistributedContext(rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
                                  local_world_size=env.local_world_size, backend=backend, device=device,
-                                 host=socket.gethostname(), control_group=control, timeout_s=init_timeout_s)
+                                 host=socket.gethostname(), timeout_s=init_timeout_s)
+        ctx.control_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
         ctx.addr, ctx.interface = netinfo.job_address()
         peers: list[tuple[str, str]] = [("", "")] * env.world_size
-        dist.all_gather_object(peers, (ctx.host, ctx.addr), group=control)
+        dist.all_gather_object(peers, (ctx.host, ctx.addr), group=ctx.control_group)
         ctx.hosts = [host for host, _ in peers]
         ctx.addrs = [addr for _, addr in peers]
         yield ctx
@@ -271,121 +285,41 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
         failed = True
         raise
     finally:
-        quiesced = _teardown(failed, run_dir, env.rank)
+        groups = [weakref.ref(group) for group in dist.distributed_c10d._world.pg_map]
+        _teardown(failed)
         if ctx is not None:  # an exception's frames may hold ctx: they must not hold a destroyed group too
             ctx.control_group = None
-        # The Trainer sits in reference cycles (hooks, LR lambdas) and holds process-group objects: only the
-        # cyclic collector frees it. Free it now, while the interpreter is whole: a ProcessGroupGloo left for
-        # interpreter finalization keeps its threads running into it, which can abort a process whose work is
-        # done ("terminate called without an active exception"; cf. pytorch/pytorch#179291). The quiescing
-        # collectives outlive the groups (see _quiesce_gloo_groups).
-        gc.collect()
-        del quiesced
+        kept = sum(group() is not None for group in groups)
+        if kept:  # their gloo threads would run into interpreter finalization (see _teardown)
+            log.warning("%d process group(s) outlived their destruction: something still holds them", kept)
 
 
-def _teardown(failed: bool, run_dir: Path, rank: int) -> list[Any]:
-    """Destroy the process groups after success; abort them after a failure. Waits TEARDOWN_TIMEOUT_S at most.
+def _teardown(failed: bool) -> None:
+    """Collect the Trainer, then destroy the process groups (after success) or abort them (after a failure).
+
+    The order keeps a finished run from hanging here. A gloo group's destructor joins its worker threads,
+    and one of them may be waiting for the GIL: it frees each finished collective's work, and when Python
+    has already dropped the work's tensors, freeing them takes the GIL. Python's references to a group drop
+    the GIL before the last one frees it (torch's `IntrusivePtrNoGilDestructor`); a C++ owner does not.
+    DDP's Reducer is one: freed with the Trainer after `destroy_process_group`, it held a group's last
+    reference and ran ~ProcessGroupGloo with the GIL held, while a gloo thread waited for the GIL in
+    ~AsyncAllreduceWork (the hang seen at the end of finished runs; a loop doing that hung within 3
+    iterations, 3 times in 3). The Trainer sits in reference cycles, so it is collected first, while the
+    groups are registered; destroying them then drops their last references, Python's. And no group lives
+    on into interpreter finalization, where a gloo thread that waits for the GIL is ended by `pthread_exit`
+    inside a noexcept destructor: "terminate called without an active exception".
 
     A failed rank may have collectives in flight that its peers will never join: destroying would wait for
-    them (NCCL can hang there), aborting drops them. A destroy that still does not return (work left pending
-    in a backend's queue; cf. pytorch/pytorch#75097) must not hold a finished run hostage: everything the run
-    writes is written by now. It is left behind on its thread, loudly, with every thread's stack in the log.
+    them (NCCL can hang there), aborting drops them. A finished rank has waited for all of its collectives,
+    so destroying needs nothing from its peers, not even that they are still there.
     """
+    gc.collect()
     if not dist.is_initialized():
-        return []
+        return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    aborting = failed and abort is not None
-    what = "aborting" if aborting else "destroying"
-    log.debug("%s the process groups%s", what, " after a failure" if aborting else "")
-    held: list[Any] = []
-    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-
-    def run() -> None:
-        if cuda_device is not None:  # a new thread starts on device 0
-            torch.cuda.set_device(cuda_device)
-        if aborting:
-            abort()
-        else:
-            held.extend(_quiesce_gloo_groups())
-            dist.destroy_process_group()
-
-    ender = threading.Thread(target=run, name="ddptrain-teardown", daemon=True)
-    ender.start()
-    ender.join(TEARDOWN_TIMEOUT_S)
-    if ender.is_alive():
-        from ddptrain.observe.log import rank_log_path
-        from ddptrain.observe.watchdog import dump_stacks
-
-        path = rank_log_path(run_dir, rank)
-        state = "the run has failed already" if failed else "the run's outputs are all written"
-        message = (f"teardown: rank {rank} on host {socket.gethostname()}: {what} the process groups did not "
-                   f"return in {TEARDOWN_TIMEOUT_S:.0f} s; {state}, so this process goes on without it")
-        dump_stacks(path, message, rank)
-        log.error("%s; stacks of every thread in %s", message, path)
-        sys.stderr.write(f"ddptrain: {message}; stacks in {path}\n")
-    return held
-
-
-def _quiesce_gloo_groups() -> list[Any]:
-    """One last tiny all-reduce on every gloo group of this rank, waited for; returns them, to be held until
-    the groups are freed. All ranks, after their last collective.
-
-    A gloo worker thread frees a finished collective's work under the group's queue lock, and when Python
-    has already dropped the work's tensors, freeing them takes the GIL. A group freed meanwhile (its
-    destructor takes that lock, with the GIL held by whoever drops the last reference) deadlocks with it:
-    the hang seen at the end of finished runs, main thread in ~ProcessGroupGloo, a gloo thread waiting for
-    the GIL in ~AsyncAllgatherWork. Waiting here releases the GIL, so every such thread finishes first;
-    and these last works' tensors stay Python's until the groups are gone, so freeing them needs nothing.
-    A peer that failed after the last collective never joins: this rank then waits out TEARDOWN_TIMEOUT_S.
-    """
-    world = getattr(dist.distributed_c10d, "_world", None)
-    names: dict = getattr(world, "pg_names", {}) or {}
-    held = []
-    for group in sorted(names, key=names.get):  # creation order: the same on every rank
-        if "gloo" not in str(dist.get_backend(group)):
-            continue
-        tensor = torch.zeros(1)
-        held.append((dist.all_reduce(tensor, group=group, async_op=True), tensor))
-    for work, _ in held:
-        work.wait()
-    return held
-
-
-def quiet_gloo_threads(timeout_s: float = 2.0) -> bool:
-    """Wait until no gloo worker thread of this process is running, before a fork. True once they are asleep
-    (twice in a row), False if `timeout_s` passed first; True at once where /proc is not there.
-
-    A gloo thread that frees a finished collective's work drops its tensors, and a tensor Python knows needs
-    the GIL for that: pybind11 gives the thread a fresh Python thread state, which CPython links in under
-    its runtime lock (HEAD_LOCK), without the GIL. A fork at that instant copies the lock held, and CPython
-    before 3.11.8 and 3.12 (gh-112275) takes it in the child's PyOS_AfterFork_Child: the child hangs before
-    its first line of Python. A DataLoader worker forked so never answers, and its trainer waits for the
-    batch for good (seen: rank 1 in its first eval, right after `sync_buffers`' broadcast). A gloo thread
-    that is asleep is idle, or waits for the GIL with its thread state made, and then cannot run before
-    the fork, whose caller holds the GIL. Collectives still in flight must be waited for first.
-    """
-    tasks = Path("/proc/self/task")
-    if not tasks.is_dir():
-        return True
-    deadline = time.monotonic() + timeout_s
-    asleep_in_a_row = 0
-    while asleep_in_a_row < 2:
-        asleep_in_a_row = asleep_in_a_row + 1 if not _gloo_thread_running(tasks) else 0
-        if asleep_in_a_row < 2:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.0005)  # releases the GIL: a gloo thread waiting for it finishes its frees
-    return True
-
-
-def _gloo_thread_running(tasks: Path) -> bool:
-    for task in tasks.iterdir():
-        try:
-            if (task / "comm").read_text().strip() != GLOO_THREAD:
-                continue
-            state = (task / "stat").read_text().rpartition(")")[2].split()[0]
-        except (OSError, IndexError):  # the thread has just exited
-            continue
-        if state == "R":
-            return True
-    return False
+    if failed and abort is not None:
+        log.debug("aborting the process groups after a failure")
+        abort()
+    else:
+        log.debug("destroying the process groups")
+        dist.destroy_process_group()

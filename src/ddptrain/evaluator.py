@@ -14,6 +14,7 @@ from ddptrain.batch import to_device
 from ddptrain.data import start_pass
 from ddptrain.distributed import DistributedContext
 from ddptrain.errors import UsageError
+from ddptrain.models import eval_mode
 from ddptrain.tasks import Task, first_tensor
 
 log = logging.getLogger("ddptrain")
@@ -42,7 +43,7 @@ class Evaluator:
         sums: dict[str, list[torch.Tensor]] = {}
         items, units = 0, 0
         loader: Iterable = self.loader if self.loader is not None else ()
-        if self.lockstep and not hasattr(loader, "__len__"):
+        if self.lockstep and not _has_len(loader):
             loader = list(start_pass(loader))  # an iterable eval set: counted before the forwards that depend on it
         own = len(loader) if self.lockstep else 0  # type: ignore[arg-type]
         rounds, fewest = (int(v) for v in self.ctx.reduce_flags([own, -own])) if self.lockstep else (own, 0)
@@ -50,11 +51,12 @@ class Evaluator:
             raise UsageError("a rank has no eval batch but its peers do, and a sharded model evaluates in "
                              "lockstep: use an eval set of at least one sample per rank (--eval_size)")
         batch = None
-        module.eval()
-        try:
+        with eval_mode(module):  # each submodule back in its own mode after (a frozen one stays frozen)
             for _, batch in start_pass(loader):
                 if heartbeat is not None:
                     heartbeat()
+                items += len(first_tensor(batch))
+                units += self.task.count(batch)  # on the host batch: no device read
                 batch = to_device(batch, self.ctx.device, self.channels_last)
                 with self.autocast():
                     _, metrics = self.task.loss(module, batch)
@@ -63,13 +65,9 @@ class Evaluator:
                                                  torch.zeros((), dtype=torch.float64, device=self.ctx.device)])
                     acc[0] += total.double()
                     acc[1] += count.double() if isinstance(count, torch.Tensor) else count
-                items += len(first_tensor(batch))
-                units += self.task.count(batch)
             for _ in range(rounds - own):
                 with self.autocast():
                     self.task.loss(module, batch)
-        finally:
-            module.train()
         # A rank with no eval batch has no metric names: agree on the union, in one order.
         names = sorted(set().union(*self._gather(sorted(sums))), key=lambda name: (name != "loss", name))
         zero = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
@@ -96,3 +94,13 @@ class Evaluator:
         out: list[Any] = [None] * self.ctx.world_size
         dist.all_gather_object(out, names, group=self.ctx.control_group)
         return out
+
+
+def _has_len(loader: Iterable) -> bool:
+    """Whether `len(loader)` answers: a DataLoader always has `__len__`, which raises TypeError over an
+    iterable dataset without one."""
+    try:
+        len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True

@@ -6,6 +6,9 @@ resolved config, the keys of `ddptrain train`). The checkpoint is verified first
 manifest's sha256 and size, and nothing is unpickled except through torch's weights-only loader. A sharded
 checkpoint (--strategy fsdp/hsdp) is consolidated: its shards, from any number of ranks, become whole tensors.
 CHECKPOINT_DIR may also be a run dir or its checkpoints/ dir: the newest committed checkpoint is used.
+
+`--hf OUT_DIR` (a run of a transformers model, `--model hf:...`) writes the save_pretrained layout instead of,
+or as well as, OUT.safetensors: `AutoModelFor...from_pretrained(OUT_DIR)` loads the checkpoint's model.
 """
 
 from __future__ import annotations
@@ -29,8 +32,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                        description="Verify a checkpoint and write its weights as OUT.safetensors plus OUT.json "
                                    "(the config).")
     parser.add_argument("checkpoint", help="a committed checkpoints/step-N dir (or a run dir: its newest)")
-    parser.add_argument("out", help="the .safetensors file to write; the config goes next to it as .json")
-    return parser.parse_args(argv)
+    parser.add_argument("out", nargs="?", default="",
+                        help="the .safetensors file to write; the config goes next to it as .json")
+    parser.add_argument("--hf", default="", metavar="OUT_DIR",
+                        help="also (or instead) write the save_pretrained layout of a transformers model here")
+    args = parser.parse_args(argv)
+    if not args.out and not args.hf:
+        raise UsageError("ddptrain export: name what to write: OUT.safetensors, --hf OUT_DIR, or both")
+    return args
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -50,7 +59,7 @@ def find_checkpoint(path: Path) -> Path:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     out = Path(args.out)
-    if out.suffix != ".safetensors":
+    if args.out and out.suffix != ".safetensors":
         raise UsageError(f"{out}: the output file must end in .safetensors (the config is written next to it "
                          "as .json)")
     checkpoint = find_checkpoint(Path(args.checkpoint))
@@ -69,6 +78,10 @@ def main(argv: list[str]) -> int:
             raise UsageError(f"{checkpoint}: unusable checkpoint: {exc}") from None
     else:
         weights = loaded.model
+    if args.hf:
+        export_hf(manifest["config"], weights, checkpoint, Path(args.hf))
+    if not args.out:
+        return 0
     metadata = {"format": FORMAT, "step": str(manifest["step"]), "epoch": str(manifest["epoch"]),
                 "model": str(manifest["config"].get("model", "")), "checkpoint": str(checkpoint.resolve())}
     config_path = out.with_suffix(".json")
@@ -79,3 +92,17 @@ def main(argv: list[str]) -> int:
     print(f"exported {len(weights)} tensors ({size_mb:.1f} MiB) of step {manifest['step']} from {checkpoint} "
           f"to {out}; config: {config_path}")
     return 0
+
+
+def export_hf(config: dict, weights: dict[str, torch.Tensor], checkpoint: Path, out_dir: Path) -> None:
+    """The save_pretrained layout of a checkpoint of a transformers model (`--model hf:...`)."""
+    from ddptrain import hf
+    from ddptrain.config import TrainConfig
+
+    cfg = TrainConfig(**{k: v for k, v in config.items() if k in TrainConfig.__dataclass_fields__})
+    run_hf_dir = checkpoint.parent.parent / hf.HF_DIR  # the run of a transformers model wrote its config there
+    if not hf.is_hf(cfg.model) and not (run_hf_dir / "config.json").is_file():
+        raise UsageError(f"--hf: {checkpoint} is not of a transformers model (--model {cfg.model}, and its run dir "
+                         f"has no {hf.HF_DIR}/config.json); export it as OUT.safetensors")
+    hf.save_pretrained(cfg, weights, out_dir, source_config=run_hf_dir)
+    print(f"exported {checkpoint.name} of {cfg.model} to {out_dir} (save_pretrained layout)")

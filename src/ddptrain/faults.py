@@ -6,11 +6,18 @@ A spec is ``key=value`` pairs separated by commas, from ``--inject_fault`` or ``
     rank=0,step=3,micro=1,kind=raise      # in step 3, before micro-batch 1 (the second) is read
     rank=1,step=4,kind=hang               # sleeps in step 4 while the others wait in its collectives
     rank=0,step=2,kind=nan                # this rank's loss becomes NaN in step 2
-    rank=0,step=6,kind=sigkill,at=save    # dies while writing the checkpoint of step 6
+    rank=0,step=6,kind=sigkill,at=save    # dies while writing the checkpoint of step 6 (sharded: its shards)
+    rank=1,step=6,kind=raise,at=snapshot  # fails taking its state for the checkpoint of step 6, before any write
+    rank=0,step=6,kind=ioerror,at=load,times=2  # reading checkpoint step-6 fails with EIO twice, then works
     rank=0,step=6,kind=corrupt-checkpoint # flips a byte in the checkpoint of step 6 after it commits
     rank=0,step=4,kind=stall,at=save,seconds=30  # a slow checkpoint write: sleeps 30 s, then goes on
 
 Steps are numbered like `metrics.jsonl` and `checkpoints/step-N`: step N is the N-th optimizer step.
+
+``at=save`` fires on the rank named: under the full layout rank 0 writes every file, so only rank 0's fires;
+under the sharded layout (fsdp/hsdp) every rank writes its shards, and the fault fires on that rank once
+its shard files are written, inside DCP's collective save. ``at=load`` with ``kind=ioerror`` makes reading
+checkpoint ``step-S`` raise ``OSError(EIO)`` the first ``times`` reads (default 1): a transient I/O error.
 
 ``restart=N`` (default 0) arms the fault only in the N-th incarnation under an elastic launcher
 (TORCHELASTIC_RESTART_COUNT), so a restarted job does not fail again at the same place.
@@ -18,16 +25,17 @@ Steps are numbered like `metrics.jsonl` and `checkpoints/step-N`: step N is the 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ddptrain.errors import UsageError
 
-KINDS = ("raise", "sigkill", "exit", "hang", "stall", "nan", "corrupt-checkpoint")
-PLACES = ("step", "save")
+KINDS = ("raise", "sigkill", "exit", "hang", "stall", "nan", "corrupt-checkpoint", "ioerror")
+PLACES = ("step", "save", "snapshot", "load")
 ENV_VAR = "DDPTRAIN_FAULT"
 
 
@@ -44,6 +52,7 @@ class FaultSpec:
     at: str = "step"
     restart: int = 0
     seconds: int = 0  # kind=stall: how long
+    times: int = 1  # kind=ioerror: how many reads fail
 
     @classmethod
     def parse(cls, spec: str, source: str) -> FaultSpec:
@@ -53,12 +62,12 @@ class FaultSpec:
             if not sep:
                 raise UsageError(f"{source}: {part!r} is not key=value (e.g. 'rank=1,step=5,kind=sigkill')")
             fields[key] = value
-        unknown = set(fields) - {"rank", "step", "kind", "micro", "at", "restart", "seconds"}
+        keys = ("rank", "step", "kind", "micro", "at", "restart", "seconds", "times")
+        unknown = set(fields) - set(keys)
         if unknown:
-            raise UsageError(f"{source}: unknown key(s) {', '.join(sorted(unknown))}; "
-                             "use rank, step, kind, micro, at, restart, seconds")
+            raise UsageError(f"{source}: unknown key(s) {', '.join(sorted(unknown))}; use {', '.join(keys)}")
         ints = {}
-        for key in ("rank", "step", "micro", "restart", "seconds"):
+        for key in ("rank", "step", "micro", "restart", "seconds", "times"):
             if key in fields:
                 try:
                     ints[key] = int(fields[key])
@@ -70,6 +79,8 @@ class FaultSpec:
             raise UsageError(f"{source}: kind must be one of {', '.join(KINDS)}")
         if fields.get("at", "step") not in PLACES:
             raise UsageError(f"{source}: at must be one of {', '.join(PLACES)}")
+        if (fields["kind"] == "ioerror") != (fields.get("at") == "load"):
+            raise UsageError(f"{source}: kind=ioerror goes with at=load, and at=load with kind=ioerror")
         return cls(kind=fields["kind"], at=fields.get("at", "step"), **ints)
 
 
@@ -96,9 +107,22 @@ class FaultInjector:
         return self.spec is not None and self.spec.kind == "nan" and self.spec.step == step
 
     def during_save(self, step: int) -> None:
-        """Called after a checkpoint's data files are written and before its manifest commits."""
+        """Called after a checkpoint's data files are written and before its manifest commits: by rank 0 for
+        the full layout, by every rank inside DCP's save for the sharded one."""
         if self._due(step, "save") and self.spec.kind != "corrupt-checkpoint":
             self._fire(f"checkpoint write of step {step}")
+
+    def at_snapshot(self, step: int) -> None:
+        """Called on every rank as it takes its state for the checkpoint of `step`, before anything is written."""
+        if self._due(step, "snapshot"):
+            self._fire(f"the snapshot for the checkpoint of step {step}")
+
+    def at_load(self, step: int) -> None:
+        """Called before each attempt to read checkpoint step-`step`: kind=ioerror raises EIO `times` times."""
+        if self._due(step, "load"):
+            left = self.spec.times - 1
+            self.spec = replace(self.spec, times=left) if left > 0 else None
+            raise OSError(errno.EIO, f"injected fault kind=ioerror reading the checkpoint of step {step}")
 
     def after_commit(self, step: int, ckpt_dir: Path) -> None:
         """kind=corrupt-checkpoint: flip one byte in the middle of the committed model file (a sharded

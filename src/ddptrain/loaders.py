@@ -4,7 +4,7 @@ partitioned streams (streams.py); the eval split sharded so that each sample is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -27,15 +27,16 @@ class Loaders:
 
 
 def build_loaders(cfg: TrainConfig, ctx: DistributedContext, layout: BatchLayout, train_ds: Any,
-                  eval_ds: Any) -> Loaders:
+                  eval_ds: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Loaders:
+    """The run's loaders; `collate_fn` (fit's) turns a list of items into a batch (default: see data.Collate)."""
     device = ctx.device
     train_seed, eval_seed = mix_seed(cfg.seed, 4, ctx.rank), mix_seed(cfg.seed, 5, ctx.rank)
     if isinstance(eval_ds, IterableDataset):
         eval_loader = stream_loader(StreamShard(eval_ds, cfg.seed, ctx.rank, ctx.world_size), cfg, device,
-                                    drop_last=False, seed=eval_seed)
+                                    drop_last=False, seed=eval_seed, collate_fn=collate_fn)
     elif eval_ds is not None and len(eval_ds) > 0:
         eval_sampler = ShardedEvalSampler(len(eval_ds), cfg.batch_size, ctx.rank, ctx.world_size)
-        eval_loader = make_loader(eval_ds, eval_sampler, cfg, device, seed=eval_seed)
+        eval_loader = make_loader(eval_ds, eval_sampler, cfg, device, seed=eval_seed, collate_fn=collate_fn)
     else:
         eval_loader = None
     if isinstance(train_ds, IterableDataset):
@@ -44,8 +45,8 @@ def build_loaders(cfg: TrainConfig, ctx: DistributedContext, layout: BatchLayout
                              "--max_steps to say how long to train")
         stream = StreamShard(train_ds, cfg.seed, ctx.rank, ctx.world_size)
         position = StreamPosition(ctx.world_size * readers_per_rank(cfg.num_workers), ctx.rank, cfg.num_workers)
-        return Loaders(stream_loader(stream, cfg, device, drop_last=True, seed=train_seed), eval_loader, None,
-                       stream, position, None, None)
+        return Loaders(stream_loader(stream, cfg, device, drop_last=True, seed=train_seed, collate_fn=collate_fn),
+                       eval_loader, None, stream, position, None, None)
     num_train = len(train_ds)
     steps_per_epoch = layout.steps_per_epoch(num_train)
     if steps_per_epoch == 0:
@@ -53,5 +54,5 @@ def build_loaders(cfg: TrainConfig, ctx: DistributedContext, layout: BatchLayout
                          f"{cfg.grad_accum_steps} = {layout.global_batch_size} exceeds the {num_train} training "
                          "samples; lower one of them")
     sampler = GlobalOrderSampler(num_train, layout, ctx.rank, cfg.seed)
-    return Loaders(make_loader(train_ds, sampler, cfg, device, seed=train_seed), eval_loader, sampler, None, None,
-                   num_train, steps_per_epoch)
+    return Loaders(make_loader(train_ds, sampler, cfg, device, seed=train_seed, collate_fn=collate_fn), eval_loader,
+                   sampler, None, None, num_train, steps_per_epoch)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -88,11 +89,13 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """`keep`: (batch, 1, length, length) which keys each query may attend to; None = causal."""
         batch, length, width = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
         heads = lambda t: t.view(batch, length, self.num_heads, width // self.num_heads).transpose(1, 2)  # noqa: E731
-        attended = nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        attended = nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=keep,
+                                                              is_causal=keep is None)
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
         return x + self.mlp(self.norm2(x))
 
@@ -118,18 +121,31 @@ class GPT(nn.Module):
             elif name.endswith("bias"):
                 nn.init.zeros_(param)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        length = tokens.shape[1]
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(batch, length) token ids -> (batch, length, vocab) logits. `attention_mask` (1 = token, 0 = padding)
+        keeps padding out of the attention; right padding needs none (a causal model never looks ahead)."""
+        length = input_ids.shape[1]
         if length > self.seq_len:
             raise ValueError(f"sequence of {length} tokens is longer than the model's context of {self.seq_len}")
-        x = self.embed(tokens) + self.position(torch.arange(length, device=tokens.device))
+        x = self.embed(input_ids) + self.position(torch.arange(length, device=input_ids.device))
+        keep = None
+        if attention_mask is not None:
+            causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
+            # A query sees the earlier positions that are tokens, and always itself (a padded query's output
+            # is never counted; attending to nothing would make it NaN).
+            keep = (causal & attention_mask.bool()[:, None, None, :]) | torch.eye(length, dtype=torch.bool,
+                                                                                device=input_ids.device)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, keep)
         return self.head(self.norm(x))
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
     """The model named by `--model`. Call with the same seed on every rank (DDP also broadcasts rank 0's)."""
+    if cfg.model.startswith("hf:"):
+        from ddptrain import hf
+
+        return hf.build_model(cfg)
     if ":" in cfg.model:
         model = load_plugin(cfg.model, "--model")(cfg)
         if not isinstance(model, nn.Module):
@@ -160,3 +176,16 @@ def instantiate(cfg: TrainConfig, model: nn.Module | Callable[[TrainConfig], nn.
     if cfg.channels_last:
         module = module.to(memory_format=torch.channels_last)
     return module
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
+    """`module` in eval mode for the block, then every submodule back in its own mode: one a user froze with
+    `.eval()` (a frozen BatchNorm, a teacher) stays frozen, where `module.train()` would switch it back."""
+    modes = [(sub, sub.training) for sub in module.modules()]
+    module.eval()
+    try:
+        yield module
+    finally:
+        for sub, training in modes:
+            sub.training = training

@@ -2,17 +2,21 @@
 (parameters, gradients and optimizer state sharded; `hsdp` shards within a node and replicates across nodes).
 
 The loop asks this object a few things — the module to call, a context that skips gradient communication
-on accumulation micro-steps, one model's state for eval and export, the memory it holds — so a strategy is
-an object with the same methods, not branches in the loop. `build_parallel` picks it from --strategy.
+on accumulation micro-steps, one model's state for eval and export, the memory it holds (gradients between
+micro-steps included) — so a strategy is an object with the same methods, not branches in the loop.
+`build_parallel` picks it from --strategy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -48,6 +52,10 @@ class DataParallel:
         """Around a micro-step's forward and backward: no gradient all-reduce unless it is the `last`."""
         return contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync()
 
+    def communicates(self, last: bool) -> bool:
+        """Whether a micro-step's backward reduces gradients (the `last` only)."""
+        return last
+
     @torch.no_grad()
     def sync_buffers(self) -> None:
         """Give every rank rank 0's buffers (BatchNorm running statistics). All ranks.
@@ -66,6 +74,10 @@ class DataParallel:
     def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes this rank holds of parameters, gradients and optimizer state."""
         return _memory(self.module, optimizer)
+
+    def grad_bytes_held(self) -> int:
+        """Bytes of gradients this rank holds now: between micro-steps, the whole model's (a replica)."""
+        return _memory(self.module, None)["grad_bytes"]
 
     def release(self) -> None:
         """Nothing to let go of: DDP's reference to its group goes with the Trainer (see ShardedParallel)."""
@@ -89,6 +101,10 @@ class ShardedParallel:
     root unit holds what no block does (embeddings, heads). Under `hsdp` the mesh is (nodes, ranks per node):
     shards live within a node and each node holds a replica, so only an all-reduce of shards crosses nodes.
     Parameters are DTensors: the optimizer is the foreach one (the fused kernels have no sharded form).
+
+    With accumulation, gradients are reduce-scattered on the last micro-step only: until then every rank holds
+    the whole model's unsharded fp32 gradients (see `grad_bytes_held`). --fsdp_reduce_every_micro_step
+    reduce-scatters on every micro-step instead, so a rank holds only its shard of them between micro-steps.
     """
 
     sharded = True
@@ -99,6 +115,7 @@ class ShardedParallel:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.module, self.ctx, self.name = module, ctx, cfg.strategy
+        self.reduce_every_micro_step = cfg.fsdp_reduce_every_micro_step
         nodes = ctx.world_size // ctx.local_world_size if cfg.strategy == "hsdp" else 1
         if cfg.strategy == "hsdp" and (ctx.world_size % ctx.local_world_size or nodes < 2):
             raise UsageError(f"--strategy hsdp needs several nodes with the same number of ranks each (world "
@@ -123,9 +140,14 @@ class ShardedParallel:
         log.debug("%s over mesh %s: %d units", cfg.strategy, tuple(shape), self.units)
 
     def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
-        """Gradients reduce-scatter on the `last` micro-step only; before it they accumulate unsharded."""
-        self.module.set_requires_gradient_sync(last)
+        """Gradients reduce-scatter on the `last` micro-step only, before it they accumulate unsharded; or,
+        with --fsdp_reduce_every_micro_step, on every micro-step, into the shards."""
+        self.module.set_requires_gradient_sync(self.communicates(last))
         return contextlib.nullcontext()
+
+    def communicates(self, last: bool) -> bool:
+        """Whether a micro-step's backward reduce-scatters its gradients."""
+        return last or self.reduce_every_micro_step
 
     @torch.no_grad()
     def sync_buffers(self) -> None:
@@ -143,11 +165,33 @@ class ShardedParallel:
     def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return _memory(self.module, optimizer)
 
+    def grad_bytes_held(self) -> int:
+        """Bytes of gradients this rank holds now: its gradient shards, plus the unsharded gradients FSDP2
+        accumulates while gradient sync is off, which no parameter's `.grad` shows.
+
+        torch 2.13 keeps those on each unit's `FSDPParam` (`_fsdp_param.py`): as `_unsharded_param.grad`, or
+        as `unsharded_accumulated_grad` when the gradient is upcast to the reduce dtype (--use_amp: bf16
+        compute, fp32 reduction) — the whole model's fp32 gradients on every rank until the reduce-scatter.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        held = _memory(self.module, None)["grad_bytes"]
+        for unit in self.module.modules():
+            if isinstance(unit, FSDPModule):
+                for group in unit._get_fsdp_state()._fsdp_param_groups:
+                    for param in group.fsdp_params:
+                        unsharded = getattr(param, "_unsharded_param", None)  # made by the first all-gather
+                        for grad in (param.unsharded_accumulated_grad, getattr(unsharded, "grad", None)):
+                            if grad is not None:
+                                held += _local(grad).numel() * grad.element_size()
+        return held
+
     def release(self) -> None:
         """Let go of the mesh's process groups once training is over (before they are destroyed).
 
         torch's DTensor caches keep every mesh they saw for the life of the interpreter, and a mesh holds its
-        groups: their gloo threads would run on into interpreter finalization (see api.train_worker).
+        groups: their gloo threads would run on into interpreter finalization (see distributed._teardown;
+        without this, a 2-process fsdp run's world group outlives its destruction).
         """
         registry = getattr(self.mesh, "_pg_registry", None)  # shared by the mesh's sub-meshes
         if isinstance(registry, dict):
@@ -161,26 +205,56 @@ class ShardedParallel:
 
 
 def build_parallel(module: nn.Module, cfg: TrainConfig, ctx: DistributedContext) -> DataParallel | ShardedParallel:
+    if cfg.activation_checkpointing:
+        recompute_blocks(module, cfg.fsdp_blocks)
     return DataParallel(module, cfg, ctx) if cfg.strategy == "ddp" else ShardedParallel(module, cfg, ctx)
+
+
+def recompute_blocks(module: nn.Module, spec: str) -> None:
+    """--activation_checkpointing: each block keeps only its inputs in forward and recomputes the rest in its
+    backward (torch.utils.checkpoint, non-reentrant, RNG state preserved: dropout draws the same twice). The
+    blocks are the FSDP units (`fsdp_blocks`); a transformers model uses its own gradient checkpointing.
+    Applied before DDP or FSDP wraps the model, and without renaming a parameter (checkpoints stay the same)."""
+    from ddptrain import hf
+
+    if hf.enable_activation_checkpointing(module):
+        return
+    blocks = fsdp_blocks(module, spec)
+    if not blocks:
+        raise UsageError("--activation_checkpointing recomputes the model's blocks, and this model names none: give "
+                         "it an `fsdp_blocks` attribute, or pass --fsdp_blocks CLASS")
+    for block in blocks:
+        block.forward = _recomputed(block.forward)
+
+
+def _recomputed(forward: Any) -> Any:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
 
 
 def fsdp_blocks(module: nn.Module, spec: str) -> list[nn.Module]:
     """The modules sharded as one unit each, outermost first and never one inside another.
 
     `spec` is --fsdp_blocks: class names ("Block,Expert"), or 'pkg.mod:fn' with fn(model) -> modules. Empty:
-    the model's own `fsdp_blocks` (classes, or a method returning the modules).
+    the model's own `fsdp_blocks` (classes, or a method returning the modules), else a transformers model's
+    `_no_split_modules` (the block classes it says must stay whole).
     """
     if ":" in spec:
         chosen = list(load_plugin(spec, "--fsdp_blocks")(module))
     else:
         names = {n.strip() for n in spec.split(",") if n.strip()}
         declared = getattr(module, "fsdp_blocks", ())
+        if not names and not declared:
+            names = set(getattr(module, "_no_split_modules", None) or ())
         if callable(declared) and not names:
             chosen = list(declared())
         else:
             wanted = (lambda m: type(m).__name__ in names) if names else (lambda m: isinstance(m, tuple(declared)))
             chosen = [m for m in module.modules() if m is not module and wanted(m)]
-            if names and not chosen:
+            if spec and not chosen:
                 present = sorted({type(m).__name__ for m in module.modules()})
                 raise UsageError(f"--fsdp_blocks {spec}: the model has no module of that class; it has "
                                  f"{', '.join(present)}")
@@ -197,15 +271,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _memory(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def _memory(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
     def size(t: torch.Tensor) -> int:
         return _local(t).numel() * t.element_size()
 
     params = list(module.parameters())
+    states = optimizer.state.values() if optimizer is not None else ()
     return {"param_bytes": sum(size(p) for p in params),
             "grad_bytes": sum(size(p.grad) for p in params if p.grad is not None),
-            "optimizer_bytes": sum(size(v) for state in optimizer.state.values() for v in state.values()
-                                   if isinstance(v, torch.Tensor))}
+            "optimizer_bytes": sum(size(v) for state in states for v in state.values() if isinstance(v, torch.Tensor))}
 
 
 def _check_replicas(module: nn.Module, ctx: DistributedContext, replica_of: list[int]) -> None:

@@ -11,7 +11,12 @@ from ddptrain.config import BUILTIN_DATASETS, TEXT_DATASETS, TrainConfig
 
 def check_data(cfg: TrainConfig) -> None:
     """UsageError naming the flag and the fix when a built-in dataset and the flags disagree."""
-    if cfg.dataset in TEXT_DATASETS:
+    if cfg.dataset.startswith("hf:"):
+        from ddptrain import hf
+
+        hf.check_dataset(cfg)
+        hf.prepare(cfg)  # tokenized once, here, before the workers start (they find it in the cache)
+    elif cfg.dataset in TEXT_DATASETS:
         from ddptrain import text  # imports torch and numpy: only when the dataset is asked for
 
         text.check(cfg)

@@ -12,19 +12,22 @@ Layout of a sharded ``checkpoints/step-<N>/``::
 Only tensors go into the shards. DCP's index is a pickle, so nothing in it is unpickled before its digest
 matched the manifest, and even then only through an unpickler that knows DCP's own metadata classes and
 nothing else: a checkpoint cannot run code. A non-tensor entry (which DCP would torch.load without
-weights_only) is refused.
+weights_only) is refused. A parsed index is then checked before DCP reads through it (`check_index`): every
+byte range it names lies in a shard file the manifest lists, and every tensor's chunks cover it exactly.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import math
 import pickle
 import re
 import warnings
 from concurrent.futures import Future
-from pathlib import Path
-from typing import Any
+from itertools import combinations
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -32,7 +35,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -87,9 +92,107 @@ def read_verified(path: Path, manifest: dict[str, Any], share: tuple[int, int]) 
     for name in shard_files[rank::world]:
         _verify_file(path / name, files[name], name)
     metadata = parse_metadata(_read_verified(path / METADATA, files[METADATA], METADATA))
+    check_index(metadata, path, files)
     trainer = _safe_torch_load(_read_verified(path / "trainer.pt", files["trainer.pt"]), "trainer.pt",
                                torch.device("cpu"))
     return Loaded(path=path, manifest=manifest, model=None, optimizer=None, trainer=trainer, shards=metadata)
+
+
+def check_index(metadata: Metadata, path: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Refuse an index that reads anything but the manifest's shard files, or leaves part of a tensor unread.
+
+    Its digest only says whoever wrote the manifest wrote it too. A re-signed index could otherwise make DCP
+    read any file into a weight, or leave elements out (export allocates with torch.empty: they would be
+    whatever memory held). `files` is the manifest's name -> sha256, size.
+    """
+    storage, entries = metadata.storage_data, metadata.state_dict_metadata
+    if not isinstance(storage, dict) or not isinstance(entries, dict):
+        raise CheckpointError(f"{METADATA}: its tables are not DCP's (dicts); refused")
+    shards_dir = (path / SHARDS).resolve()
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
+            raise CheckpointError(f"{METADATA}: storage entry {index!r} is not DCP's; refused")
+        _check_storage(index, info, shards_dir, files)
+    for fqn, entry in entries.items():
+        if isinstance(entry, TensorStorageMetadata):
+            _check_chunks(fqn, entry, storage)
+
+
+def _check_storage(index: MetadataIndex, info: _StorageInfo, shards_dir: Path,
+                   files: dict[str, dict[str, Any]]) -> None:
+    """One byte range: inside shards/ (no absolute path, `..` or symlink out), in a file the manifest lists and
+    so digest-verified, within that file's size, and stored raw (what DCP would decompress, we cannot bound)."""
+    where = f"{METADATA}: {index.fqn}'s storage" + ("" if index.offset is None else f" at {_shape(index.offset)}")
+    name = info.relative_path
+    if not isinstance(name, str):
+        raise CheckpointError(f"{where} names a {type(name).__name__}, not a file; refused")
+    relative = PurePosixPath(name)
+    if relative.is_absolute() or ".." in relative.parts or not (shards_dir / name).resolve().is_relative_to(shards_dir):
+        raise CheckpointError(f"{where} points at {name!r}, outside the checkpoint's {SHARDS}/; refused")
+    listed = files.get(f"{SHARDS}/{name}")
+    if listed is None or f"{SHARDS}/{name}" == METADATA:
+        raise CheckpointError(f"{where} points at {name!r}, a file the manifest does not list; refused")
+    offset, length = info.offset, info.length
+    if (not _is_int(offset) or not _is_int(length) or offset < 0 or length < 0
+            or offset + length > listed["size"]):
+        raise CheckpointError(f"{where} reads {length} bytes at offset {offset} of {name!r}, which has "
+                              f"{listed['size']}; refused")
+    if info.transform_descriptors:
+        raise CheckpointError(f"{where} is transformed ({list(info.transform_descriptors)}), which ddptrain "
+                              "never writes; refused")
+
+
+def _check_chunks(fqn: str, entry: TensorStorageMetadata, storage: dict[MetadataIndex, _StorageInfo]) -> None:
+    """A tensor's chunks lie within it, each has a storage entry holding at least its bytes, no two overlap, and
+    together they have its number of elements: they cover it exactly. Chunks are one per writing rank, so
+    comparing every pair is cheap."""
+    where = f"{METADATA}: {fqn}'s"
+    size = _dims(entry.size, f"{where} size")
+    if not isinstance(entry.properties, TensorProperties) or not isinstance(entry.properties.dtype, torch.dtype):
+        raise CheckpointError(f"{where} dtype is not a torch dtype; refused")
+    dtype = entry.properties.dtype
+    if not isinstance(entry.chunks, list) or not all(isinstance(c, ChunkStorageMetadata) for c in entry.chunks):
+        raise CheckpointError(f"{where} chunks are not DCP's; refused")
+    boxes = []
+    for chunk in entry.chunks:
+        offsets, sizes = _dims(chunk.offsets, f"{where} chunk offset"), _dims(chunk.sizes, f"{where} chunk size")
+        at = _shape(offsets)
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, size)):
+            raise CheckpointError(f"{where} chunk at {at} of size {_shape(sizes)} lies outside its size "
+                                  f"{_shape(size)}; refused")
+        info = storage.get(MetadataIndex(fqn, offsets))
+        if info is None:
+            raise CheckpointError(f"{where} chunk at {at} has no storage entry; refused")
+        # Raw torch.save bytes hold at least the elements: a size the bytes cannot hold would only make
+        # export allocate it.
+        chunk_bytes = math.prod(sizes) * dtype.itemsize
+        if chunk_bytes > info.length:
+            dtype_name = str(dtype).removeprefix("torch.")
+            raise CheckpointError(f"{where} chunk at {at} is {chunk_bytes} bytes of {dtype_name}, its storage "
+                                  f"holds {info.length}; refused")
+        boxes.append((offsets, sizes))
+    for (a, a_sizes), (b, b_sizes) in combinations(boxes, 2):
+        if all(max(ao, bo) < min(ao + an, bo + bn) for ao, an, bo, bn in zip(a, a_sizes, b, b_sizes)):
+            raise CheckpointError(f"{where} chunks at {_shape(a)} and {_shape(b)} overlap; refused")
+    covered, numel = sum(math.prod(sizes) for _, sizes in boxes), math.prod(size)
+    if covered != numel:
+        raise CheckpointError(f"{where} chunks cover {covered} of its {numel} elements; refused")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _dims(value: Any, what: str) -> tuple[int, ...]:
+    """A shape or offset of the index as ints (torch.Size is a tuple; a pickle could hold anything)."""
+    if not isinstance(value, (tuple, list)) or not all(_is_int(d) for d in value):
+        raise CheckpointError(f"{what} is {value!r}, not a tuple of ints; refused")
+    return tuple(value)
+
+
+def _shape(dims: Any) -> str:
+    return str(tuple(dims)) if isinstance(dims, (tuple, list)) else repr(dims)
 
 
 class _VerifiedReader(FileSystemReader):
@@ -126,13 +229,31 @@ def state_to_save(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
     return {"model": model, "optim": {"state": optim["state"]}}, optim["param_groups"]
 
 
-def save(target: Path, state: dict[str, Any], group: dist.ProcessGroup | None, async_save: bool) -> Future:
+class _Writer(FileSystemWriter):
+    """DCP's file writer, with a hook run once this rank's shard files are written and before DCP gathers
+    every rank's results (where the fault injector's `at=save` fires on each rank)."""
+
+    def __init__(self, path: Path, written: Callable[[], None] | None):
+        super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self._written = written
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        results = super().write_data(plan, planner)
+        if self._written is not None:
+            results.wait()
+            self._written()
+        return results
+
+
+def save(target: Path, state: dict[str, Any], group: dist.ProcessGroup | None, async_save: bool,
+         written: Callable[[], None] | None = None) -> Future:
     """Write this rank's shards of `state` into target/shards. All ranks (DCP plans the save collectively).
 
     The future completes when this rank's files are written (and, on rank 0, the index); `async_save` copies
-    the state to CPU memory now and writes in a background thread.
+    the state to CPU memory now and writes in a background thread. `written` runs on this rank once its own
+    shard files are written, inside DCP's save.
     """
-    writer = FileSystemWriter(target / SHARDS, single_file_per_rank=True, sync_files=True)
+    writer = _Writer(target / SHARDS, written)
     if async_save:
         return dcp.async_save(state, storage_writer=writer, process_group=group)
     done: Future = Future()

@@ -60,11 +60,12 @@ class MetricWindow:
         self.spans: list[list[tuple[str, Any, Any]]] = []  # per step this process ran: (name, start, end)
         self.started = time.perf_counter()
 
-    def add_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Count one micro-batch's loss; returns whether it was finite (a device tensor)."""
+    def add_loss(self, loss: torch.Tensor, units: torch.Tensor | int = 1) -> torch.Tensor:
+        """Count one micro-batch's loss, a sum over `units` (a mean: one unit), so that the logged loss is the
+        unit-weighted mean; returns whether it was finite (a device tensor)."""
         finite = torch.isfinite(loss.detach())
         self.loss += torch.where(finite, loss.detach().double(), 0.0)
-        self.count += finite.double()
+        self.count += finite.double() * units
         self.bad_loss += (~finite).double()
         return finite
 

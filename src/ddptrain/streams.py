@@ -123,28 +123,29 @@ class StreamPosition:
 
 
 def stream_loader(shard: StreamShard, cfg: TrainConfig, device: torch.device, drop_last: bool,
-                  seed: int) -> DataLoader:
-    from ddptrain.data import collate, worker_init
+                  seed: int, collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
+    from ddptrain.data import collate_for, worker_context, worker_init
 
     workers = cfg.num_workers
-    return DataLoader(shard, batch_size=cfg.batch_size, drop_last=drop_last, collate_fn=collate,
-                      num_workers=workers, pin_memory=device.type == "cuda",
+    return DataLoader(shard, batch_size=cfg.batch_size, drop_last=drop_last,
+                      collate_fn=collate_for(shard.dataset, cfg, collate_fn), num_workers=workers, pin_memory=device.type == "cuda",
                       generator=torch.Generator().manual_seed(seed),  # never draws from the global RNG
-                      # workers are forked per epoch: a persistent worker would keep the old epoch and position
+                      # workers start anew each epoch: a persistent worker would keep the old epoch and position
                       persistent_workers=False, prefetch_factor=4 if workers > 0 else None,
-                      worker_init_fn=worker_init if workers > 0 else None)
+                      worker_init_fn=worker_init if workers > 0 else None,
+                      multiprocessing_context=worker_context() if workers > 0 else None)
 
 
 @contextlib.contextmanager
 def stream_batches(loader: DataLoader, shard: StreamShard, position: StreamPosition,
-                   background: bool, settle: Callable[[], None] | None = None) -> Iterator[Iterator]:
+                   background: bool) -> Iterator[Iterator]:
     """Batches of this rank's share, epoch after epoch, in a fixed turn over its readers.
 
     The DataLoader hands out its workers' batches round-robin from worker 0 whenever an iterator starts; a
     resumed run must instead continue with the reader whose turn it was. So batches are taken in turn from
     a small stash (at most one per reader), and a reader whose batches are over when the loader ends leaves
-    the turn: the same order in every run, whatever the timing. Each epoch forks the workers anew, after
-    `settle` (the trainer's collectives in flight; see `data.start_pass`).
+    the turn: the same order in every run, whatever the timing. Each epoch starts the workers anew, with the
+    shard's epoch and position of that moment.
     """
     from ddptrain.data import epoch_batches
 
@@ -153,7 +154,7 @@ def stream_batches(loader: DataLoader, shard: StreamShard, position: StreamPosit
             shard.epoch, shard.done = position.epoch, dict(position.done)
             stash: dict[int, collections.deque] = {reader: collections.deque() for reader in position.local}
             taken, ended, resumed = 0, False, bool(position.done)
-            with epoch_batches(loader, background=background, settle=settle) as batches:
+            with epoch_batches(loader, background=background) as batches:
                 while len(position.exhausted) < len(position.local):
                     want = position.turn
                     while not stash[want] and not ended:

@@ -114,29 +114,32 @@ def build(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
 
 def main(argv: list[str]) -> int:
     parser = ArgParser(prog="ddptrain prepare-text",
-                       description="Turn text files into byte-level token files for --dataset tokens.")
+                       description="Turn text files into token files for --dataset tokens: bytes, or the tokens of a "
+                                   "Hugging Face tokenizer (--tokenizer DIR).")
     parser.add_argument("out_dir", help="directory to write meta.json and the .bin shards into")
     parser.add_argument("files", nargs="+", help="UTF-8 text files, read in the order given")
     parser.add_argument("--eval_fraction", type=float, default=EVAL_FRACTION,
                         help=f"share of the tokens, from the end, held out for eval (default {EVAL_FRACTION})")
     parser.add_argument("--shard_tokens", type=int, default=1 << 27,
                         help="tokens per shard file (default 134217728: 256 MiB of uint16)")
+    parser.add_argument("--tokenizer", default="", metavar="DIR",
+                        help="a Hugging Face tokenizer directory (tokenizer.json); each file's text is tokenized "
+                             "and ends with the tokenizer's end-of-text token (default: bytes)")
     args = parser.parse_args(argv)
     if not 0 <= args.eval_fraction < 1:
         raise UsageError(f"--eval_fraction must be in [0, 1) (got {args.eval_fraction})")
     if args.shard_tokens < 2:
         raise UsageError(f"--shard_tokens must be >= 2 (got {args.shard_tokens})")
-    chunks = []
     for name in args.files:
-        path = Path(name)
-        if not path.is_file():
+        if not Path(name).is_file():
             raise UsageError(f"{name}: no such file; pass text files to tokenize")
-        chunks.append(np.frombuffer(path.read_bytes(), dtype=np.uint8))
-    tokens = np.concatenate(chunks).astype(np.uint16)
+    tokens, vocab, tokenizer = _tokens(args.files, args.tokenizer)
+    dtype = "uint16" if vocab <= 1 << 16 else "uint32"
+    tokens = tokens.astype(dtype)
     split = len(tokens) - int(len(tokens) * args.eval_fraction)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"format": FORMAT, "dtype": "uint16", "vocab_size": 256, "tokenizer": "bytes", "train": [], "eval": []}
+    meta = {"format": FORMAT, "dtype": dtype, "vocab_size": vocab, "tokenizer": tokenizer, "train": [], "eval": []}
     for split_name, part in (("train", tokens[:split]), ("eval", tokens[split:])):
         for number, start in enumerate(range(0, len(part), args.shard_tokens)):
             name = f"{split_name}-{number:05d}.bin"
@@ -145,5 +148,23 @@ def main(argv: list[str]) -> int:
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"wrote {split:,} train and {len(tokens) - split:,} eval tokens ({len(meta['train'])} + "
           f"{len(meta['eval'])} shards) to {out}; train with --task language_model --model gpt --dataset tokens "
-          f"--data_dir {out}")
+          f"--data_dir {out} --vocab_size {vocab}")
     return 0
+
+
+def _tokens(files: list[str], tokenizer_dir: str) -> tuple[np.ndarray, int, str]:
+    """(every file's tokens, one after another; the vocabulary size; what made them)."""
+    if not tokenizer_dir:
+        return np.concatenate([np.frombuffer(Path(n).read_bytes(), dtype=np.uint8) for n in files]), 256, "bytes"
+    from ddptrain import hf
+
+    tokenizer = hf.load_tokenizer(tokenizer_dir)
+    end = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    ids = []
+    for name in files:
+        try:
+            text = Path(name).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"{name}: not UTF-8 text ({exc.reason} at byte {exc.start}); pass text files") from None
+        ids.append(np.asarray(tokenizer.encode([text])[0] + end, dtype=np.int64))
+    return np.concatenate(ids), tokenizer.vocab_size, str(Path(tokenizer_dir).resolve())

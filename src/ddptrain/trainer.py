@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -24,46 +24,48 @@ from ddptrain.batch import to_device
 from ddptrain.checkpoint import Position, safetensors_bytes, write_atomic
 from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.config import TrainConfig
-from ddptrain.data import BatchLayout, build_datasets, epoch_batches, forks_workers
+from ddptrain.data import BatchLayout, build_datasets, epoch_batches
 from ddptrain.distributed import DistributedContext, LaggedVote
 from ddptrain.errors import Preempted, TrainingError
 from ddptrain.evaluator import Evaluator
 from ddptrain.faults import FaultInjector
+from ddptrain import hf
 from ddptrain.loaders import build_loaders
 from ddptrain.models import instantiate
+from ddptrain.normalise import LossNormaliser
 from ddptrain.observe import perf
 from ddptrain.observe.log import rank_log_path
 from ddptrain.observe.metrics import MetricSinks, ProgressBar
 from ddptrain.observe.profiler import StepProfiler
 from ddptrain.observe.train_log import Clock, TrainLog
 from ddptrain.observe.watchdog import Watchdog
-from ddptrain.optim import build_optimizer, build_scheduler, peak_lr
+from ddptrain.optim import build_optimizer, build_scheduler, parameter_groups, peak_lr
 from ddptrain.parallel import build_parallel
+from ddptrain.parts import Parts
 from ddptrain.preempt import PREEMPTED_MARKER, StopSignals
 from ddptrain.trainer_state import rank_state, restore, snapshot
 from ddptrain.state import MetricWindow, seed_rank_rngs
 from ddptrain.streams import stream_batches
-from ddptrain.tasks import Task, build_task
+from ddptrain.tasks import build_task
 
 __all__ = ["Trainer", "build_optimizer"]
 log = logging.getLogger("ddptrain")
 
 
 class Trainer:
-    """One process's part of a job. `model` (a module, or fn(cfg) -> module), `datasets` ((train, eval or
-    None)) and `task` default to what the config names; the Python API passes its own."""
+    """One process's part of a job. What `parts` (api.Parts: the Python API's own model, data, task, collate,
+    optimizer and schedule) leaves None is what the config names."""
 
-    def __init__(self, cfg: TrainConfig, ctx: DistributedContext, run_dir: Path, *,
-                 model: nn.Module | Callable[[TrainConfig], nn.Module] | None = None,
-                 datasets: tuple[Any, Any] | None = None, task: Task | None = None):
+    def __init__(self, cfg: TrainConfig, ctx: DistributedContext, run_dir: Path, parts: Parts | None = None):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
+        parts = parts or Parts()
         device = ctx.device
-        self.task = task if task is not None else build_task(cfg)
+        self.task = parts.task if parts.task is not None else build_task(cfg)
 
         # Data first: its size decides the schedule. Global batch = micro batch x world x accumulation.
-        train_ds, eval_ds = datasets if datasets is not None else build_datasets(cfg)
+        train_ds, eval_ds = parts.datasets if parts.datasets is not None else build_datasets(cfg)
         self.layout = BatchLayout(cfg.batch_size, ctx.world_size, cfg.grad_accum_steps)
-        data = build_loaders(cfg, ctx, self.layout, train_ds, eval_ds)
+        data = build_loaders(cfg, ctx, self.layout, train_ds, eval_ds, parts.collate_fn)
         self.train_loader, self.eval_loader, self.sampler = data.train, data.eval, data.sampler
         self.stream, self.stream_position = data.stream, data.stream_position
         self.num_train, self.steps_per_epoch = data.num_train, data.steps_per_epoch
@@ -72,7 +74,9 @@ class Trainer:
         self._background_batches = device.type == "cpu" and self.train_loader.num_workers > 0
 
         # Model: identical init on every rank (DDP would broadcast rank 0's anyway), then the wrapper.
-        self.module = module = instantiate(cfg, model, device)
+        self.module = module = instantiate(cfg, parts.model, device)
+        if hf.is_transformers(module) and ctx.is_main:
+            module.config.save_pretrained(run_dir / hf.HF_DIR)  # what `ddptrain export --hf` rebuilds it from
         fp16 = cfg.use_amp and cfg.amp_dtype == "fp16"
         # Under fsdp/hsdp, --use_amp is FSDP's mixed-precision policy instead (parallel.py).
         self.autocast = lambda: torch.autocast(device.type, torch.float16 if fp16 else torch.bfloat16,  # noqa: E731
@@ -90,13 +94,22 @@ class Trainer:
             log.warning("global batch %d differs from --base_batch_size %d, the batch --lr %g was tuned for: the "
                         "linear scaling rule (--scale_lr) would train at lr %g (x%g); training at %g",
                         self.layout.global_batch_size, cfg.base_batch_size, cfg.lr, cfg.lr * factor, factor, cfg.lr)
-        self._fused = not self.parallel.sharded
-        self.optimizer = build_optimizer(cfg, self.params, self.peak_lr, fused=self._fused)
+        if parts.optimizer is not None:
+            self.optimizer = parts.optimizer(self.params)
+        else:
+            self.optimizer = build_optimizer(cfg, parameter_groups(cfg, module), self.peak_lr,
+                                             fused=not self.parallel.sharded)
+        self._fused = bool(self.optimizer.defaults.get("fused"))  # an on-device skip (see train_step)
         self._optimizer_stepped = False  # whether the optimizer has state (see train_step)
+        # Gradient bytes held between the micro-steps of this process's first step, for the memory line
+        # (None until measured, and at --grad_accum_steps 1).
+        self.accumulated_grad_bytes: int | None = None
         self.total_steps = cfg.max_steps if self.stream is not None else cfg.epochs * self.steps_per_epoch
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.scheduler = build_scheduler(cfg, self.optimizer, self.peak_lr, self.total_steps)
+        self._own_schedule = parts.scheduler is None  # ddptrain's: the config decides its lr on resume
+        self.scheduler = (build_scheduler(cfg, self.optimizer, self.peak_lr, self.total_steps) if self._own_schedule
+                          else parts.scheduler(self.optimizer))
         self.scaler = torch.amp.GradScaler(device.type) if fp16 else None
 
         # Per-rank RNG streams from here on: data order and augmentation never read them.
@@ -121,8 +134,9 @@ class Trainer:
         self.sinks = MetricSinks(run_dir, cfg.tensorboard) if ctx.is_main else None
         self.peak_tflops = cfg.peak_tflops or perf.known_peak_tflops(device)
         self.window = MetricWindow(device, cfg.log_interval)
+        self.normaliser = LossNormaliser(self.task, ctx, cfg.grad_accum_steps)
         self.train_log = TrainLog(ctx, self.sinks, self.clock, self.layout.global_batch_size, self.task.unit,
-                                  self.flops_per_sample, self.peak_tflops, cfg.straggler_skew)
+                                  self.flops_per_sample, self.peak_tflops, cfg.straggler_skew, cfg.max_skipped_steps)
         self.evaluator = Evaluator(ctx, self.eval_loader, self.task, self.autocast, cfg.channels_last,
                                    lockstep=self.parallel.sharded)
         self._sample_log = None
@@ -150,7 +164,7 @@ class Trainer:
             if self.stream is not None:
                 # A stream has no epochs in common: each rank cycles its own share until --max_steps.
                 with stream_batches(self.train_loader, self.stream, self.stream_position,
-                                    self._background_batches, settle=self._vote.settle) as batches:
+                                    self._background_batches) as batches:
                     while pos.step < self.total_steps:
                         self._step(batches, bar)
             # Each pass of this loop is (the rest of) one epoch: the sampler resumes at the cursor.
@@ -178,7 +192,7 @@ class Trainer:
             self.watchdog.phase("replica check")
             self.parallel.check_replicas()
             self.save()
-            self.checkpoints.wait()
+            self._wait_for_checkpoint()
         bar.close()
         self._export_weights()
         return self._summary(last_eval, time.perf_counter() - started)
@@ -195,7 +209,11 @@ class Trainer:
         if pos.step == 1 + self._first_step:
             # Tier two: the generous init timeout covered rendezvous and the first step.
             self.ctx.set_collective_timeout(cfg.collective_timeout_s)
-            self.train_log.write_memory(self.parallel.memory(self.optimizer), pos.step, pos.epoch, cfg.strategy)
+            held = self.parallel.memory(self.optimizer)
+            # At its fullest a rank holds the gradients between micro-steps (fsdp: unsharded unless each
+            # micro-step reduce-scatters) or those after the step, whichever is more.
+            held["peak_grad_bytes"] = max(held["grad_bytes"], self.accumulated_grad_bytes or 0)
+            self.train_log.write_memory(held, pos.step, pos.epoch, cfg.strategy)
         if pos.step % cfg.log_interval == 0:
             self._log_train(bar)
         self._between_steps()
@@ -204,15 +222,17 @@ class Trainer:
     def train_step(self, batches: Iterator) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches.
 
-        Non-final micro-batches skip gradient communication, so gradients are reduced once, on the last.
-        Each micro-batch loss is divided by the number of micro-batches: with the average over ranks, the
-        update equals one process training on the whole global batch. Must be called on all ranks.
+        Non-final micro-batches skip gradient communication, so gradients are reduced once, on the last
+        (unless --fsdp_reduce_every_micro_step: then each micro-batch reduce-scatters into the shards).
+        A LossSum is divided by the units of the whole step (every rank, every micro-batch), a plain mean by
+        the number of micro-batches: with the average over ranks, the update equals one process training on
+        the whole global batch (for a mean: when every micro-batch counts as many units). All ranks.
         """
         cfg, wd, window = self.cfg, self.watchdog, self.window
         step = self.position.step + 1  # the number of this step: steps done once it completes
         accum = cfg.grad_accum_steps
         self.optimizer.zero_grad(set_to_none=True)
-        spans = []
+        spans, micro_batches = [], []
         for micro in range(accum):
             wd.phase("data", step)
             self.injector.at_micro_step(step, micro)  # after the phase: an injected hang reads as a data stall
@@ -224,28 +244,38 @@ class Trainer:
                 if self.stream is not None:
                     row["epoch"] = self.stream_position.epoch  # each rank's own epoch of its share
                 self._sample_log.write(json.dumps(row) + "\n")
+            micro_batches.append(batch)
+        # The step's count of units, from the host batches: its all-reduce (if counts vary) runs under the
+        # first forward.
+        scale = self.normaliser.start(micro_batches, step)
+        for micro, batch in enumerate(micro_batches):
             batch = to_device(batch, self.ctx.device, cfg.channels_last)
-
             last = micro == accum - 1
-            wd.phase(self.parallel.communicating_phase if last and self.ctx.world_size > 1 else "forward/backward")
+            communicates = self.parallel.communicates(last) and self.ctx.world_size > 1
+            wd.phase(self.parallel.communicating_phase if communicates else "forward/backward")
             start = self.clock.now()
             with self.parallel.accumulating(last):
                 with self.profiler.region("forward"), self.autocast():
-                    loss, _ = self.task.loss(self.model, batch)
+                    output, _ = self.task.loss(self.model, batch)
                 own_start = self._module_started if self._module_started is not None else start
                 spans.append(("forward", own_start, self.clock.now()))  # this rank's own work, no waiting
+                loss, units, sums = self.normaliser.split(output)
                 if self.injector.poison_loss(step):
                     loss = loss + float("nan")
-                finite = window.add_loss(loss)
+                finite = window.add_loss(loss, units)
                 # A non-finite loss on one rank must stop the update on every rank. Multiplying by NaN
                 # poisons this rank's gradients, and the gradient all-reduce carries that into the global
                 # norm checked below: the same decision everywhere, with no extra collective.
-                scaled = loss * torch.where(finite, 1.0 / accum, torch.nan)
+                scaled = loss * torch.where(finite, scale.factor(sums), torch.nan)
                 with self.profiler.region("backward"):
                     (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             spans.append(("fwd_bwd", start, self.clock.now()))
-            window.units += self.task.count(batch)
+            if micro == accum - 2 and self.accumulated_grad_bytes is None:
+                # After the last micro-step that only accumulates: the most gradient a rank holds during the
+                # step (fsdp without reduce-scatter: the whole model's, unsharded). Once, for the memory line.
+                self.accumulated_grad_bytes = self.parallel.grad_bytes_held()
 
+        window.units += scale.units
         wd.phase("optimizer")
         start = self.clock.now()
         with self.profiler.region("optimizer"):
@@ -290,10 +320,6 @@ class Trainer:
         """Exact eval of the task's metrics over the eval set (rank 0's buffers). Must be called on all ranks."""
         self.train_log.finish()  # the train line of this step comes before its eval line
         self.watchdog.phase("eval")
-        # No collective may be in flight when the first eval forks the eval loader's workers (`start_pass`).
-        self._vote.settle()
-        if forks_workers(self.eval_loader):
-            self.checkpoints.wait()  # an async sharded save commits over collectives in the background
         self.parallel.sync_buffers()
         result = self.evaluator.evaluate(self.module, heartbeat=lambda: self.watchdog.phase("eval"))
         if not result:
@@ -320,7 +346,7 @@ class Trainer:
         preempt, timed = self._vote.exchange(step, [self.signals.received is not None, due_by_time])
         if preempt:
             self.save()
-            self.checkpoints.wait()
+            self._wait_for_checkpoint()  # raises if it did not commit: no preemption claims a save it lacks
             signal_name = self.signals.received or "a peer's signal"
             if self.ctx.is_main:
                 write_atomic(self.run_dir / PREEMPTED_MARKER,
@@ -333,7 +359,7 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint the current position (skipped if this step is already saved). All ranks."""
         self.train_log.finish()  # a checkpoint's window starts after the last line: that line must be written
-        if self.position.step == self.checkpoints.last_saved_step:
+        if self.position.step == self.checkpoints.pending_step:
             return
         self.watchdog.phase("checkpoint")
         if self._sample_log is not None:
@@ -341,6 +367,12 @@ class Trainer:
         self.parallel.sync_buffers()
         self.checkpoints.save(Position(**vars(self.position)), lambda: snapshot(self), rank_state(self))
         self._last_save_time = time.monotonic()
+
+    def _wait_for_checkpoint(self) -> None:
+        """Wait for an async save in flight to commit, under the checkpoint's time limit (not a step's), and
+        raise on every rank if it did not. All ranks."""
+        self.watchdog.phase("checkpoint")
+        self.checkpoints.wait()
 
     def _resume(self) -> None:
         """Restore the newest usable checkpoint (or --resume_from). All ranks."""
@@ -374,10 +406,13 @@ class Trainer:
 
     # --- the end ---------------------------------------------------------------------------------
     def _export_weights(self) -> None:
+        """RUN_DIR/model.safetensors, and for a transformers model RUN_DIR/hf/ (save_pretrained). All ranks."""
         state = self.parallel.state_dict()  # sharded: gathered onto rank 0 (a collective)
         if self.ctx.is_main:
             write_atomic(self.run_dir / "model.safetensors",
                          safetensors_bytes(state, metadata={"step": str(self.position.step)}))
+            if hf.is_transformers(self.module):
+                hf.save_pretrained(self.cfg, state, self.run_dir / hf.HF_DIR, self.module)
 
     def close(self) -> None:
         """Stop the loaders' worker processes now. Safe to call twice; a later `fit` would start new ones.
@@ -404,12 +439,15 @@ class Trainer:
 
     def _summary(self, last_eval: dict[str, Any], elapsed: float) -> dict[str, Any]:
         metrics = {k: v for k, v in last_eval.items() if k != "step"}
-        summary = {"step": self.position.step, "epoch": self.position.epoch, "elapsed_s": elapsed,
-                   "eval": metrics, "eval_loss": metrics.get("loss"), "eval_accuracy": metrics.get("accuracy")}
+        skipped = self.train_log.skipped_total
+        summary = {"step": self.position.step, "updates": self.position.step - skipped, "epoch": self.position.epoch,
+                   "elapsed_s": elapsed, "eval": metrics, "eval_loss": metrics.get("loss"),
+                   "eval_accuracy": metrics.get("accuracy")}
         if self.ctx.is_main:
             shown = "".join(f", eval {k} {v:.4f}" for k, v in metrics.items()
                             if isinstance(v, float) and k != "tokens_per_sec")
-            log.info("done: %d steps, %d epochs in %.1f s%s. run dir %s · metrics %s · weights %s",
-                     summary["step"], summary["epoch"], elapsed, shown,
+            updates = f"{summary['updates']} updates" + (f" ({skipped} skipped: non-finite)" if skipped else "")
+            log.info("done: %d steps, %s, %d epochs in %.1f s%s. run dir %s · metrics %s · weights %s",
+                     summary["step"], updates, summary["epoch"], elapsed, shown,
                      self.run_dir, self.run_dir / "metrics.jsonl", self.run_dir / "model.safetensors")
         return summary

@@ -32,7 +32,8 @@ def rank_state(t: Trainer) -> dict[str, Any]:
 def snapshot(t: Trainer) -> Snapshot:
     """Everything a checkpoint holds: position, model, optimizer, schedule, scaler, config. Rank 0 only, or
     all ranks when sharded: each then contributes its shards of model and optimizer."""
-    trainer = {"scheduler": t.scheduler.state_dict(), "scaler": t.scaler.state_dict() if t.scaler is not None else None}
+    trainer = {"scheduler": t.scheduler.state_dict(), "scaler": t.scaler.state_dict() if t.scaler is not None else None,
+               "log": t.train_log.state_dict()}
     position, config = Position(**vars(t.position)), t.cfg.to_dict()
     if t.parallel.sharded:
         state, trainer["param_groups"] = shards.state_to_save(t.module, t.optimizer)
@@ -67,9 +68,11 @@ def restore(t: Trainer, loaded: Loaded) -> None:
                         ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
         group.update(wanted)
     t.scheduler.load_state_dict(loaded.trainer["scheduler"])
-    t.scheduler.base_lrs = [t.peak_lr] * len(t.optimizer.param_groups)  # the config decides
-    for group, factor in zip(t.optimizer.param_groups, t.scheduler.lr_lambdas):
-        group["lr"] = t.peak_lr * factor(t.scheduler.last_epoch)
+    if t._own_schedule:  # the config decides the peak lr; a user's scheduler restores its own state
+        t.scheduler.base_lrs = [t.peak_lr] * len(t.optimizer.param_groups)
+        for group, factor in zip(t.optimizer.param_groups, t.scheduler.lr_lambdas):
+            group["lr"] = t.peak_lr * factor(t.scheduler.last_epoch)
+    t.train_log.load_state_dict(loaded.trainer.get("log", {}))
     if t.scaler is not None and loaded.trainer["scaler"] is not None:
         t.scaler.load_state_dict(loaded.trainer["scaler"])
     _restore_window(t, loaded.trainer["rng"], saved.world_size)

@@ -37,13 +37,10 @@ def train_flops(model: nn.Module, forward: Callable[[], Any]) -> float:
     The backward pass costs about twice the forward (grads w.r.t. inputs and weights), the usual
     convention of MFU accounting. Runs in eval mode under no_grad; state is unchanged.
     """
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            forward()
-    finally:
-        model.train(was_training)
+    from ddptrain.models import eval_mode
+
+    with eval_mode(model), torch.no_grad(), FlopCounterMode(display=False) as counter:
+        forward()
     return 3.0 * counter.get_total_flops()
 
 

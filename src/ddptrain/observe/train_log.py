@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from ddptrain.distributed import DistributedContext
+from ddptrain.errors import TrainingError
 from ddptrain.observe import perf
 from ddptrain.observe.gpu_util import GpuUtilisation, step_breakdown, utilisation_warning
 from ddptrain.observe.metrics import MetricSinks, ProgressBar
@@ -65,26 +66,35 @@ class TrainLog:
     (or before an eval, a save, the end). Both on all ranks: one all-gather per line."""
 
     def __init__(self, ctx: DistributedContext, sinks: MetricSinks | None, clock: Clock, global_batch_size: int,
-                 unit: str, flops_per_sample: float, peak_tflops: float, straggler_skew: float):
+                 unit: str, flops_per_sample: float, peak_tflops: float, straggler_skew: float,
+                 max_skipped: int = 0):
         self.ctx, self.sinks, self.clock = ctx, sinks, clock
         self.global_batch_size, self.unit = global_batch_size, unit
         self.flops_per_sample, self.peak_tflops = flops_per_sample, peak_tflops
         self.straggler_skew = straggler_skew
+        self.max_skipped = max_skipped
+        self.skipped_total = 0  # updates skipped (non-finite) in the whole run, restored on resume
+        self.skipped_in_a_row = 0
         self._streak: dict[int, int] = {}
         self.gpu = GpuUtilisation(ctx.device)
         self._pending: _Pending | None = None
         self._host: torch.Tensor | None = None  # CUDA: the pinned buffer the window's numbers come back in
 
     def write_memory(self, held: dict[str, int], step: int, epoch: int, strategy: str) -> None:
-        """The "memory" line: what each rank holds (`held`: its parameter, gradient and optimizer bytes), once
-        every kind of state exists, and the CUDA allocator's peak. All ranks; rank 0 writes."""
+        """The "memory" line: what each rank holds (`held`: its parameter, gradient and optimizer bytes once
+        every kind of state exists, and the gradient bytes at their fullest during a step), and the CUDA
+        allocator's peak. All ranks; rank 0 writes."""
         device = self.ctx.device
         held = {**held, "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0}
         ranks = self.ctx.gather_floats([float(v) for v in held.values()])
         if self.sinks is None:
             return
-        log.info("memory (%s): parameters + gradients + optimizer state %s MiB per rank", strategy,
-                 " / ".join(f"{sum(r[:3]) / 2**20:.2f}" for r in ranks))
+        by_key = [dict(zip(held, r)) for r in ranks]
+        log.info("memory (%s): parameters + gradients + optimizer state %s MiB per rank; gradients at their "
+                 "peak in a step %s MiB", strategy,
+                 " / ".join(f"{(r['param_bytes'] + r['grad_bytes'] + r['optimizer_bytes']) / 2**20:.2f}"
+                            for r in by_key),
+                 " / ".join(f"{r['peak_grad_bytes'] / 2**20:.2f}" for r in by_key))
         self.sinks.write({"time": time.time(), "step": step, "epoch": epoch, "split": "memory", "strategy": strategy,
                           **{key: [int(r[i]) for r in ranks] for i, key in enumerate(held)}})
 
@@ -146,10 +156,11 @@ class TrainLog:
         bad_steps = [window_base + i + 1 for i, flag in enumerate(flags) if flag]
         loss_sum, count = sum(r[0] for r in rows), sum(r[1] for r in rows)
         bad_loss_ranks = [rank for rank, r in enumerate(rows) if r[2] > 0]
+        where = f"non-finite loss on rank(s) {bad_loss_ranks}" if bad_loss_ranks else "non-finite gradients"
         if (bad_steps or bad_loss_ranks) and ctx.is_main:
-            where = f"non-finite loss on rank(s) {bad_loss_ranks}" if bad_loss_ranks else "non-finite gradients"
             log.warning("non-finite gradient norm at step(s) %s (%s): update skipped (--on_nonfinite skip)",
                         bad_steps, where)
+        self._count_skips(flags[:step - window_base], window_base, where)
         if not ctx.is_main:
             return
         steps, ran, elapsed = max(len(p.spans), 1), len(p.spans), p.elapsed
@@ -183,6 +194,26 @@ class TrainLog:
                 f"{100 * record['data_wait_s'] / max(record['step_time_s'], 1e-9):.1f}%)")
         self.sinks.write(record, announce=line)  # logged by the writer thread: the handlers' writes cost ~1 ms
         p.bar.update(step, p.epoch, record["loss"], samples_per_sec)
+
+    def _count_skips(self, flags: list[float], window_base: int, where: str) -> None:
+        """Count the window's skipped updates; fail (every rank: the flags come from the global norm) once
+        --max_skipped_steps of them came in a row: a run that skips every update trains nothing."""
+        for i, flag in enumerate(flags):
+            self.skipped_in_a_row = self.skipped_in_a_row + 1 if flag else 0
+            self.skipped_total += int(bool(flag))
+            if self.max_skipped and self.skipped_in_a_row >= self.max_skipped:
+                last = window_base + i + 1
+                raise TrainingError(f"{self.skipped_in_a_row} updates in a row skipped (steps "
+                                    f"{last - self.skipped_in_a_row + 1}-{last}: {where}); the run is not "
+                                    "learning: check the data, the loss and the learning rate (--max_skipped_steps "
+                                    "sets this limit)")
+
+    def state_dict(self) -> dict[str, int]:
+        return {"skipped_total": self.skipped_total, "skipped_in_a_row": self.skipped_in_a_row}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skipped_total = state.get("skipped_total", 0)
+        self.skipped_in_a_row = state.get("skipped_in_a_row", 0)
 
     def _utilisation(self, record: dict[str, Any], by_rank: list[float]) -> None:
         """The ranks' mean GPU utilisation into the record, and a warning when it stays low (rank 0)."""

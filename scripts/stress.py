@@ -1,0 +1,118 @@
+"""`make stress`: many short 2-process runs back to back, to catch the failures and hangs that one run in fifty
+shows (a fork at the wrong instant, a teardown that never returns, a commit thread that dies unseen).
+
+    python scripts/stress.py --runs 100            # what `make stress` does (N=100)
+    python scripts/stress.py --runs 10 --seed 3    # another draw of kinds and kill points
+
+Each run is one of the kinds below, drawn in turn; a third of them also SIGKILL one worker at a random step
+and must finish through the launcher's restart (`--max_restarts 1`), resuming from the newest checkpoint.
+Every run must exit 0 with its final weights written, within --timeout seconds (else: a hang, its process
+tree is killed and the stacks are in the run's logs). Prints one line per run and a summary; exits 1 if any
+run failed or hung. The run dirs of failed runs are kept under --work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = ["--model", "mlp", "--image_size", "8", "--width", "32", "--dataset_size", "512", "--eval_size", "61",
+        "--batch_size", "16", "--lr", "0.1", "--log_interval", "2", "--no-progress", "--keep_last", "2",
+        "--save_every_steps", "3", "--epochs", "2"]
+KINDS = {
+    "ddp, persistent loader workers, async saves": ["--num_workers", "2", "--async_checkpoint"],
+    "ddp, no loader workers, sync saves": ["--num_workers", "0"],
+    "fsdp, persistent loader workers, async sharded saves": ["--strategy", "fsdp", "--num_workers", "2",
+                                                             "--async_checkpoint"],
+    "fsdp, sync sharded saves": ["--strategy", "fsdp", "--num_workers", "1"],
+    "stream, loader workers forked per epoch, async saves": ["--dataset", "stream_plugins:image_stream",
+                                                             "--num_workers", "2", "--max_steps", "24",
+                                                             "--async_checkpoint", "--dataset_size", "256"],
+}
+STEPS = 2 * 512 // 32  # two epochs of 32-sample global batches; the stream runs --max_steps 24
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "DDPTRAIN_FAULT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "tests")]))
+    return env
+
+
+def run_once(index: int, kind: str, kill: str | None, work: Path, timeout_s: float) -> tuple[str, str, float]:
+    """('ok' | 'failed' | 'hang', detail, seconds) of one run."""
+    run_dir = work / f"run-{index:03d}"
+    args = [sys.executable, "-m", "ddptrain", "train", *BASE, *KINDS[kind], "--run_dir", str(run_dir),
+            "--nproc", "2", "--max_restarts", "1"]
+    env = environment()
+    if kill:
+        env["DDPTRAIN_FAULT"] = kill
+    started = time.monotonic()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=REPO, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return "hang", f"no exit after {timeout_s:.0f} s; logs in {run_dir / 'logs'}", time.monotonic() - started
+    seconds = time.monotonic() - started
+    if proc.returncode != 0:
+        last = [line for line in output.splitlines() if line.strip()][-1:] or ["(no output)"]
+        return "failed", f"exit {proc.returncode}: {last[0]}", seconds
+    if not (run_dir / "model.safetensors").is_file():
+        return "failed", "exit 0 without model.safetensors", seconds
+    if kill and "resuming from" not in (run_dir / "logs" / "rank-0.log").read_text():
+        return "failed", "a worker was killed, but no restart resumed from a checkpoint", seconds
+    shutil.rmtree(run_dir)
+    return "ok", "", seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds before a run counts as hung")
+    parser.add_argument("--work", type=Path, default=None, help="where run dirs go (default: a temporary dir)")
+    args = parser.parse_args(argv)
+    work = args.work or Path(tempfile.mkdtemp(prefix="ddptrain-stress-"))
+    work.mkdir(parents=True, exist_ok=True)
+    draw = random.Random(args.seed)
+    kinds = list(KINDS)
+    tally: dict[str, int] = {"ok": 0, "failed": 0, "hang": 0}
+    problems = []
+    started = time.monotonic()
+    for index in range(args.runs):
+        kind = kinds[index % len(kinds)]
+        kill = None
+        if index % 3 == 2:
+            steps = 24 if "stream" in kind else STEPS
+            kill = f"rank={draw.randrange(2)},step={draw.randrange(2, steps)},kind=sigkill"
+        outcome, detail, seconds = run_once(index, kind, kill, work, args.timeout)
+        tally[outcome] += 1
+        line = f"run {index + 1:3d}/{args.runs} {outcome:6s} {seconds:5.1f} s  {kind}{'; ' + kill if kill else ''}"
+        print(line + (f"\n    {detail}" if detail else ""), flush=True)
+        if outcome != "ok":
+            problems.append(line)
+    minutes = (time.monotonic() - started) / 60
+    print(f"\nstress: {args.runs} runs in {minutes:.1f} min: {tally['ok']} ok, {tally['failed']} failed, "
+          f"{tally['hang']} hung" + (f"; run dirs kept in {work}" if problems else ""))
+    for line in problems:
+        print(f"  {line}")
+    if not problems and args.work is None:
+        shutil.rmtree(work)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

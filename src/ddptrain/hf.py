@@ -1,0 +1,395 @@
+"""Hugging Face models, tokenizers and datasets, the field's own formats, first-class:
+
+- `--model hf:NAME_OR_DIR`: a transformers model for the task (a causal LM for `language_model`, sequence
+  classification with `--num_classes` labels for `classification`): `from_pretrained` from a directory with
+  weights (or a hub name, where the machine can download), `from_config` from a directory with a
+  config.json alone (fresh weights, seeded like every model). FSDP units are the model's own
+  `_no_split_modules`. At the end of a run, RUN_DIR/hf/ holds the `save_pretrained` layout (with the
+  tokenizer, if one was given), so `AutoModelFor...from_pretrained(RUN_DIR / "hf")` loads the trained model;
+  `ddptrain export CHECKPOINT --hf OUT_DIR` does the same for any checkpoint.
+- `--dataset hf:PATH --tokenizer DIR`: records of a JSON lines or Parquet file or a `datasets.save_to_disk`
+  directory, tokenized once into variable-length items (cached beside the data, keyed by the data, the
+  tokenizer and the flags) that the default collate pads. Fields are flags: `--text_field`, or
+  `--prompt_field` + `--response_field` (the prompt masked from the loss) for language models,
+  `--label_field` for classification.
+- `ddptrain prepare-text --tokenizer DIR`: token files for `--dataset tokens` (text.py).
+
+transformers, tokenizers and datasets are the optional extra `pip install 'ddptrain[hf]'`, imported only
+when an hf: flag asks for them; a missing one is a usage error naming the extra.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddptrain.config import TrainConfig
+from ddptrain.errors import UsageError
+
+PREFIX = "hf:"
+HF_DIR = "hf"  # RUN_DIR/hf: the trained model in the save_pretrained layout
+CACHE_FORMAT = "ddptrain-hf-tokenized/1"
+
+
+def is_hf(ref: str) -> bool:
+    return ref.startswith(PREFIX)
+
+
+def is_transformers(module: nn.Module) -> bool:
+    """Whether `module` is a transformers model (`--model hf:...`, or one a user built and passed to `fit`)."""
+    return callable(getattr(module, "save_pretrained", None)) and hasattr(getattr(module, "config", None),
+                                                                          "to_json_string")
+
+
+def require(package: str, flag: str) -> Any:
+    """Import `package` for `flag`, or a usage error naming the extra that installs it."""
+    try:
+        module = importlib.import_module(package)
+    except ImportError:
+        raise UsageError(f"{flag} needs the {package} package: pip install 'ddptrain[hf]'") from None
+    if package == "datasets":
+        module.disable_progress_bars()  # bars on stderr for each split and map: ddptrain logs one line instead
+    return module
+
+
+# --- models ------------------------------------------------------------------------------------
+
+def _auto_class(cfg: TrainConfig) -> Any:
+    transformers = require("transformers", f"--model {cfg.model}")
+    if cfg.task == "language_model":
+        return transformers.AutoModelForCausalLM
+    if cfg.task == "classification":
+        return transformers.AutoModelForSequenceClassification
+    raise UsageError(f"--model {cfg.model}: a transformers model trains with --task language_model (a causal LM) "
+                     f"or --task classification (sequence classification), not --task {cfg.task}")
+
+
+def _has_weights(directory: Path) -> bool:
+    return any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin"))
+
+
+def check_model(cfg: TrainConfig) -> None:
+    """What can be known before any process starts: a local directory holds a config.json."""
+    source = cfg.model[len(PREFIX):]
+    if not source:
+        raise UsageError("--model hf: name a model: hf:DIR (a save_pretrained directory, or one with a config.json) "
+                         "or hf:ORG/NAME (a hub model)")
+    if cfg.task not in ("language_model", "classification"):
+        _auto_class(cfg)  # raises the task error
+    path = Path(source)
+    if path.exists() and not (path / "config.json").is_file():
+        raise UsageError(f"--model {cfg.model}: {path} has no config.json; pass a directory written by "
+                         "save_pretrained, or one with a model's config.json")
+
+
+def build_model(cfg: TrainConfig) -> nn.Module:
+    """The transformers model `--model hf:...` names, in fp32 and in training mode. Call after seeding."""
+    auto = _auto_class(cfg)
+    transformers = require("transformers", f"--model {cfg.model}")
+    source = cfg.model[len(PREFIX):]
+    path = Path(source)
+    labels = {"num_labels": cfg.num_classes} if cfg.task == "classification" else {}
+    try:
+        if path.is_dir() and not _has_weights(path):
+            config = transformers.AutoConfig.from_pretrained(path, **labels)
+            model = auto.from_config(config, dtype=torch.float32)
+        else:  # a directory with weights, or a hub name (downloads where the machine can)
+            model = auto.from_pretrained(source, dtype=torch.float32, **labels)
+    except OSError as exc:  # not found locally, not on the hub, or offline
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"--model {cfg.model}: cannot load it ({reason}); pass a local directory with a "
+                         "config.json, or a hub name on a machine that can download it") from None
+    model.config.use_cache = False  # training: no key/value cache in the outputs
+    return model.train()  # from_pretrained returns a model in eval mode
+
+
+def no_split_modules(module: nn.Module) -> set[str]:
+    """The block classes a transformers model says must not be split (its FSDP units)."""
+    return set(getattr(module, "_no_split_modules", None) or ())
+
+
+def enable_activation_checkpointing(module: nn.Module) -> bool:
+    """transformers' own recomputation of each block in backward; False if the model has none."""
+    if not getattr(module, "supports_gradient_checkpointing", False):
+        return False
+    module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return True
+
+
+def save_pretrained(cfg: TrainConfig, state: dict[str, torch.Tensor], out_dir: Path,
+                    module: nn.Module | None = None, source_config: Path | None = None) -> Path:
+    """The save_pretrained layout of `state` (a whole model's weights) in `out_dir`, plus the tokenizer's
+    files if --tokenizer named one. `module`: the live model (its config), else one rebuilt from the
+    config.json in `source_config`, or the model's source."""
+    if module is None:
+        module = _skeleton(cfg, source_config)
+        module.load_state_dict(state)
+        state = None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    module.save_pretrained(out_dir, state_dict=state)
+    if cfg.tokenizer:
+        for name in TOKENIZER_FILES:
+            if (Path(cfg.tokenizer) / name).is_file():
+                shutil.copyfile(Path(cfg.tokenizer) / name, out_dir / name)
+    return out_dir
+
+
+def _skeleton(cfg: TrainConfig, run_config: Path | None) -> nn.Module:
+    """The model of `cfg`, fresh: from the config.json the run left in `run_config`, or its source's."""
+    transformers = require("transformers", "ddptrain export --hf")
+    auto = _auto_class(cfg)
+    source = Path(cfg.model[len(PREFIX):])
+    for candidate in (run_config, source):
+        if candidate is not None and (candidate / "config.json").is_file():
+            return auto.from_config(transformers.AutoConfig.from_pretrained(candidate), dtype=torch.float32)
+    try:
+        return auto.from_config(transformers.AutoConfig.from_pretrained(str(source)), dtype=torch.float32)
+    except OSError as exc:
+        raise UsageError(f"--hf: the run's model {cfg.model} has no config.json to rebuild it from ({exc}); "
+                         "pass a checkpoint whose model directory still exists") from None
+
+
+# --- tokenizers -----------------------------------------------------------------------------------
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+class TextTokenizer:
+    """A `tokenizers` tokenizer (tokenizer.json) with the special tokens its tokenizer_config.json names."""
+
+    def __init__(self, directory: Path):
+        tokenizers = require("tokenizers", "--tokenizer")
+        self.directory = directory
+        self.tokenizer = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        special = {}
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (directory / name).is_file():
+                special.update({k: v for k, v in json.loads((directory / name).read_text()).items()
+                                if k in ("pad_token", "eos_token") and v})
+        self.pad_id = self._id(special.get("pad_token"))
+        self.eos_id = self._id(special.get("eos_token"))
+        self.vocab_size = self.tokenizer.get_vocab_size()
+
+    def _id(self, token: Any) -> int | None:
+        if isinstance(token, dict):  # {"content": "<pad>", ...}
+            token = token.get("content")
+        return self.tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for name in TOKENIZER_FILES:
+            if (self.directory / name).is_file():
+                h.update(name.encode() + (self.directory / name).read_bytes())
+        return h.hexdigest()
+
+
+def load_tokenizer(directory: str, flag: str = "--tokenizer") -> TextTokenizer:
+    path = Path(directory)
+    if not directory:
+        raise UsageError(f"{flag}: pass the directory of a Hugging Face tokenizer (tokenizer.json)")
+    if not (path / "tokenizer.json").is_file():
+        raise UsageError(f"{flag} {directory}: no tokenizer.json there; pass the directory a tokenizer was saved to "
+                         "(tokenizers' Tokenizer.save or transformers' save_pretrained)")
+    return TextTokenizer(path)
+
+
+def pad_token_id(cfg: TrainConfig, tokenizer: TextTokenizer | None) -> int:
+    """--pad_token_id, else the tokenizer's pad token, else its end-of-text token, else 0."""
+    if cfg.pad_token_id >= 0:
+        return cfg.pad_token_id
+    for found in ((tokenizer.pad_id, tokenizer.eos_id) if tokenizer is not None else ()):
+        if found is not None:
+            return found
+    return 0
+
+
+# --- datasets -------------------------------------------------------------------------------------
+
+def _source(ref: str, flag: str) -> Path:
+    path = Path(ref[len(PREFIX):] if ref.startswith(PREFIX) else ref)
+    if not path.exists():
+        raise UsageError(f"{flag} {ref}: no such file or directory; pass a .jsonl/.json or .parquet file, or a "
+                         "directory written by datasets' save_to_disk")
+    if path.is_file() and path.suffix not in (".jsonl", ".json", ".parquet"):
+        raise UsageError(f"{flag} {ref}: {path.suffix or 'no suffix'} is not a format it reads; pass a .jsonl/.json "
+                         "or .parquet file, or a datasets.save_to_disk directory")
+    return path
+
+
+def check_dataset(cfg: TrainConfig) -> None:
+    """The flags of an hf: dataset, before any process starts (the fields are checked against the data when it
+    is tokenized)."""
+    _source(cfg.dataset, "--dataset")
+    if cfg.eval_data:
+        _source(cfg.eval_data, "--eval_data")
+    if cfg.task not in ("language_model", "classification"):
+        raise UsageError(f"--dataset {cfg.dataset}: hf datasets are tokenized for --task language_model or "
+                         f"classification, not --task {cfg.task}")
+    if bool(cfg.prompt_field) != bool(cfg.response_field):
+        raise UsageError("--prompt_field and --response_field go together (the prompt is masked, the response "
+                         "learnt); pass both, or neither for --text_field")
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    if cfg.model in ("gpt",) and cfg.vocab_size < tokenizer.vocab_size:
+        raise UsageError(f"--vocab_size {cfg.vocab_size} is smaller than --tokenizer {cfg.tokenizer}'s vocabulary "
+                         f"of {tokenizer.vocab_size}; pass --vocab_size {tokenizer.vocab_size}")
+    require("datasets", f"--dataset {cfg.dataset}")
+
+
+def _fields(cfg: TrainConfig) -> list[str]:
+    if cfg.task == "classification":
+        return [cfg.text_field, cfg.label_field]
+    return [cfg.prompt_field, cfg.response_field] if cfg.prompt_field else [cfg.text_field]
+
+
+def _read(path: Path, flag: str, cache: Path) -> Any:
+    """The records at `path` as one datasets.Dataset: a save_to_disk DatasetDict gives its train split (and
+    keeps the others for `_held_out`)."""
+    datasets = require("datasets", flag)
+    if path.is_dir():
+        try:
+            data = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as exc:
+            raise UsageError(f"{flag} {path}: not a datasets.save_to_disk directory ({exc})") from None
+        return data
+    reader = datasets.Dataset.from_parquet if path.suffix == ".parquet" else datasets.Dataset.from_json
+    try:
+        return reader(str(path), cache_dir=str(cache / "raw"))
+    except Exception as exc:  # malformed JSON lines, not Parquet: the file is at fault
+        raise UsageError(f"{flag} {path}: cannot read it as {path.suffix[1:]} records ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def _splits(data: Any) -> tuple[Any, Any]:
+    """(train records, the data's own validation or test split or None)."""
+    if hasattr(data, "keys"):  # a DatasetDict
+        names = list(data.keys())
+        train = "train" if "train" in names else names[0]
+        held = next((n for n in ("validation", "test", "eval") if n in names), None)
+        return data[train], (data[held] if held else None)
+    return data, None
+
+
+class TokenizedRecords(Dataset):
+    """Tokenized records, memory-mapped from the cache: item i is a dict of 1-D tensors (`input_ids`, and
+    `labels` where the flags give them) or, for classification, `labels` a class index."""
+
+    uses_global_rng = False
+
+    def __init__(self, directory: Path, pad_id: int):
+        datasets = require("datasets", "--dataset")
+        self.data = datasets.load_from_disk(str(directory)).with_format("torch")
+        self.pad_token_id = pad_id
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.data[int(index)]
+
+
+def _tokenize(records: Any, cfg: TrainConfig, tokenizer: TextTokenizer, flag: str, path: Path) -> Any:
+    missing = [f for f in _fields(cfg) if f not in records.column_names]
+    if missing:
+        flags = {cfg.text_field: "--text_field", cfg.label_field: "--label_field", cfg.prompt_field: "--prompt_field",
+                 cfg.response_field: "--response_field"}
+        raise UsageError(f"{flags[missing[0]]} {missing[0]}: {flag} {path} has no such field (it has "
+                         f"{', '.join(records.column_names)})")
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    limit = cfg.seq_len
+
+    def rows(batch: dict[str, list]) -> dict[str, list]:
+        if cfg.task == "classification":
+            ids = [seq[:limit] for seq in tokenizer.encode([str(t) for t in batch[cfg.text_field]])]
+            return {"input_ids": ids, "labels": [int(label) for label in batch[cfg.label_field]]}
+        if not cfg.prompt_field:
+            return {"input_ids": [(seq + eos)[:limit] for seq in tokenizer.encode([str(t) for t in batch[cfg.text_field]])]}
+        prompts = tokenizer.encode([str(t) for t in batch[cfg.prompt_field]])
+        responses = tokenizer.encode([str(t) for t in batch[cfg.response_field]])
+        out: dict[str, list] = {"input_ids": [], "labels": []}
+        for prompt, response in zip(prompts, responses):
+            out["input_ids"].append((prompt + response + eos)[:limit])
+            out["labels"].append(([-100] * len(prompt) + response + eos)[:limit])
+        return out
+
+    return records.map(rows, batched=True, remove_columns=records.column_names)
+
+
+def _key(cfg: TrainConfig, path: Path, tokenizer: TextTokenizer) -> str:
+    h = hashlib.sha256(CACHE_FORMAT.encode())
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        stat = file.stat()
+        h.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    h.update(tokenizer.digest().encode())
+    h.update(json.dumps([cfg.task, _fields(cfg), cfg.seq_len]).encode())
+    return h.hexdigest()[:16]
+
+
+def _cache_root(path: Path, cfg: TrainConfig) -> Path:
+    """Beside the data (`DATA.ddptrain-cache/`), or in the run dir where the data's directory is read-only."""
+    beside = path.parent / f"{path.name}.ddptrain-cache"
+    try:
+        beside.mkdir(exist_ok=True)
+        return beside
+    except OSError:
+        fallback = Path(cfg.run_dir) / "tokenized"
+        fallback.mkdir(parents=True, exist_ok=True)
+        return fallback
+
+
+def prepare(cfg: TrainConfig) -> tuple[Path, Path | None]:
+    """Tokenize the train and eval records once: (train cache dir, eval cache dir or None). Every process may
+    call it: the first builds under a lock, the others wait and find it built."""
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    train_path = _source(cfg.dataset, "--dataset")
+    eval_path = _source(cfg.eval_data, "--eval_data") if cfg.eval_data else None
+    root = _cache_root(train_path, cfg)
+    key = _key(cfg, train_path, tokenizer) + (f"-{_key(cfg, eval_path, tokenizer)}" if eval_path else "")
+    built = root / key
+    with open(root / ".lock", "a") as lock:
+        fcntl.lockf(lock, fcntl.LOCK_EX)
+        try:
+            if not (built / "done").is_file():
+                _build(cfg, tokenizer, train_path, eval_path, root, built)
+        finally:
+            fcntl.lockf(lock, fcntl.LOCK_UN)
+    return built / "train", (built / "eval") if (built / "eval").is_dir() else None
+
+
+def _build(cfg: TrainConfig, tokenizer: TextTokenizer, train_path: Path, eval_path: Path | None, root: Path,
+           built: Path) -> None:
+    tmp = root / f".{built.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    train, held = _splits(_read(train_path, "--dataset", root))
+    if eval_path is not None:
+        held, _ = _splits(_read(eval_path, "--eval_data", root))
+    _tokenize(train, cfg, tokenizer, "--dataset", train_path).save_to_disk(str(tmp / "train"))
+    if held is not None:
+        _tokenize(held, cfg, tokenizer, "--eval_data" if eval_path else "--dataset",
+                  eval_path or train_path).save_to_disk(str(tmp / "eval"))
+    (tmp / "done").write_text(json.dumps({"format": CACHE_FORMAT, "records": len(train)}) + "\n")
+    shutil.rmtree(built, ignore_errors=True)
+    tmp.rename(built)
+    shutil.rmtree(root / "raw", ignore_errors=True)  # datasets' own conversion cache: not needed any more
+    # Said on stdout: this runs once, often in the launcher before any rank log exists.
+    print(f"ddptrain: tokenized {train_path} with {cfg.tokenizer} into {built}", flush=True)
+
+
+def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
+    """(train, eval or None) of `--dataset hf:PATH`, tokenized (from the cache when it is there)."""
+    train_dir, eval_dir = prepare(cfg)
+    pad_id = pad_token_id(cfg, load_tokenizer(cfg.tokenizer))
+    return TokenizedRecords(train_dir, pad_id), (TokenizedRecords(eval_dir, pad_id) if eval_dir else None)
