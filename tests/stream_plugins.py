@@ -31,3 +31,22 @@ def image_stream(cfg):
     shape = dict(num_classes=cfg.num_classes, channels=cfg.in_channels, image_size=cfg.image_size, seed=cfg.seed)
     return (ImageStream(SyntheticImages(cfg.dataset_size, **shape)),
             ImageStream(SyntheticImages(cfg.eval_size, offset=cfg.dataset_size, **shape)))
+
+
+class SelfShardingStream(IterableDataset):
+    """Elements 0..size-1 as (image, label); splits itself by loader worker the way PyTorch's docs teach."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __iter__(self):
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        for k in range(worker, self.size, workers):
+            yield torch.full((3, 8, 8), float(k)), k % 10
+
+
+def self_sharding(cfg):
+    return SelfShardingStream(cfg.dataset_size), None

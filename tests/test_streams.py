@@ -39,6 +39,7 @@ def test_a_killed_stream_run_resumes_bitwise(tmp_path, save_every, fault):
     job = [*STREAM, "--max_steps", "16", "--save_every_steps", save_every]
     train(tmp_path / "straight", *job, nproc=2)
     train(tmp_path / "killed", *job, "--max_restarts", "1", nproc=2, env={"DDPTRAIN_FAULT": fault})
+    assert "resuming from" in (tmp_path / "killed" / "logs" / "rank-0.log").read_text(), "no restart happened"
     assert_bitwise_equal(weights(tmp_path / "killed" / "model.safetensors"),
                          weights(tmp_path / "straight" / "model.safetensors"))
     losses = lambda d: [(r["step"], r["loss"]) for r in metrics(d, "train")]  # noqa: E731
@@ -83,3 +84,22 @@ def test_a_stream_that_shuffles_as_it_starts_is_read_alike_by_every_reader():
         else:
             both = {**first, **dict(read)}
     assert sorted(both) == list(range(24)) and sorted(both.values()) == list(range(24)), "elements read twice"
+
+
+def test_a_stream_that_shards_itself_by_worker_is_still_read_whole(tmp_path):
+    # PyTorch's docs teach a stream to split itself by get_worker_info(); ddptrain splits it by reader too.
+    # Stacked, the two splits read half the data. The stream must see no worker info while ddptrain reads it.
+    train(tmp_path, "--dataset", "stream_plugins:self_sharding", "--dataset_size", "40", "--batch_size", "4",
+          "--num_workers", "2", "--max_steps", "10", "--record_sample_ids", "--eval_size", "0")
+    ids = [k for row in read_jsonl(tmp_path / "samples" / "rank-0.jsonl") if row["epoch"] == 0 for k in row["ids"]]
+    assert sorted(ids) == list(range(40))
+
+
+def test_dropout_draws_the_same_with_and_without_loader_workers(tmp_path):
+    # One reader either way. Without workers the stream is read in the training process, between the steps'
+    # dropout draws: seeding an element must not leave the trainer's RNG in the element's state.
+    job = [*STREAM, "--model", "fault_plugins:dropout_mlp", "--max_steps", "6", "--eval_size", "0"]
+    train(tmp_path / "workers", *job, "--num_workers", "1")
+    train(tmp_path / "inline", *job, "--num_workers", "0")
+    assert_bitwise_equal(weights(tmp_path / "workers" / "model.safetensors"),
+                         weights(tmp_path / "inline" / "model.safetensors"))

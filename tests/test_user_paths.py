@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import torch
 
-from helpers import train, weights
+from helpers import REPO, cli_env, metrics, one_line_error, train, weights
 
 JOB = ["--max_steps", "40", "--dataset_size", "2048", "--epochs", "1", "--save_every", "0"]
 
@@ -37,3 +41,66 @@ def test_a_datasets_own_collate_fn_makes_its_batches(tmp_path):
     train(tmp_path, "--dataset", "user_plugins:tagged_pairs", "--task", "user_plugins:dict_only", "--num_classes", "4",
           "--in_channels", "1", "--max_steps", "4", "--num_workers", "2", nproc=2)
     assert (tmp_path / "model.safetensors").exists()
+
+
+# --- resume: only what the user means to continue --------------------------------------------------
+
+def test_a_resume_with_changed_training_settings_is_refused_and_touches_nothing(tmp_path):
+    train(tmp_path, "--max_steps", "4", "--save_every_steps", "2")
+    before = {name: (tmp_path / name).read_bytes() for name in ("config.toml", "model.safetensors", "metrics.jsonl")}
+    line = one_line_error(train(tmp_path, "--max_steps", "6", "--lr", "0.2", check=False))
+    assert "lr 0.1 -> 0.2" in line and "--accept_config_change" in line and "--no-auto_resume" in line, line
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before, "the refused run wrote something"
+    # Forced: it goes on from step 4, and the config the first 4 steps saw is kept beside the new one.
+    train(tmp_path, "--max_steps", "6", "--lr", "0.2", "--accept_config_change")
+    assert "lr = 0.1" in (tmp_path / "config-until-step-4.toml").read_text()
+    assert "lr = 0.2" in (tmp_path / "config.toml").read_text()
+    assert "resuming from" in (tmp_path / "logs" / "rank-0.log").read_text()
+
+
+def test_more_steps_is_not_a_changed_setting(tmp_path):
+    train(tmp_path, "--max_steps", "2", "--save_every_steps", "2")
+    train(tmp_path, "--max_steps", "4")
+    assert [r["step"] for r in metrics(tmp_path, "train")] == [1, 2, 3, 4]
+
+
+def test_runs_without_a_config_file_get_a_run_dir_per_training():
+    from ddptrain.config import resolve_config
+
+    base = resolve_config(["--model", "mlp"]).run_dir
+    assert base.startswith("runs/default-")
+    assert resolve_config(["--model", "mlp", "--max_steps", "9", "--nproc", "2"]).run_dir == base  # same training
+    assert resolve_config(["--model", "mlp", "--lr", "0.5"]).run_dir != base
+
+
+def run_fit(cwd, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tests" / "fit_script.py"), *args], capture_output=True,
+                          text=True, env=cli_env(), cwd=cwd, timeout=300)
+
+
+def test_fit_resumes_only_a_run_dir_it_was_given(tmp_path):
+    # Unnamed: every call starts fresh in runs/fit_script (older checkpoints moved aside, never lost).
+    first = run_fit(tmp_path, "-", "4")
+    second = run_fit(tmp_path, "-", "6")
+    assert first.returncode == second.returncode == 0, second.stderr[-2000:]
+    assert json.loads(second.stdout.splitlines()[-1])["step"] == 6
+    own = tmp_path / "runs" / "fit_script"
+    assert "resuming from" not in (own / "logs" / "rank-0.log").read_text()
+    assert (own / "checkpoints" / "abandoned").is_dir()
+    # Named: it continues.
+    run_fit(tmp_path, str(tmp_path / "named"), "4")
+    run_fit(tmp_path, str(tmp_path / "named"), "6")
+    assert "resuming from" in (tmp_path / "named" / "logs" / "rank-0.log").read_text()
+
+
+def test_fit_with_nproc_restarts_a_killed_worker_as_the_cli_does(tmp_path):
+    killed = {"DDPTRAIN_FAULT": "rank=1,step=3,kind=sigkill"}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "fit_script.py"), str(tmp_path / "one"), "6", "2",
+                           "1"], capture_output=True, text=True, env=cli_env(killed), cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "rank 1 was killed by SIGKILL; restarting the workers (1 restarts left)" in proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])["step"] == 6
+    assert "resuming from" in (tmp_path / "one" / "logs" / "rank-0.log").read_text()
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "fit_script.py"), str(tmp_path / "two"), "6", "2"],
+                          capture_output=True, text=True, env=cli_env(killed), cwd=tmp_path, timeout=300)
+    assert proc.returncode == 1 and "failed: TrainingError: rank 1 was killed by SIGKILL" in proc.stdout, proc.stdout

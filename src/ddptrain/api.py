@@ -43,6 +43,7 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
     this rank, its host and the step; the process groups are then aborted rather than destroyed.
     """
     from ddptrain import netinfo, runlock
+    from ddptrain.checkpoint import refuse_changed_settings
     from ddptrain.distributed import distributed
     from ddptrain.launch import LOCAL_LAUNCH_ENV
     from ddptrain.observe.log import setup_logging
@@ -59,8 +60,19 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
             log.info("ranks by host: %s", netinfo.describe_hosts(ctx.hosts, ctx.addrs))
         trainer = None
         try:
-            if ctx.is_main and not os.environ.get(LOCAL_LAUNCH_ENV):  # else the launcher wrote it
-                write_resolved(cfg, run_dir)
+            if not os.environ.get(LOCAL_LAUNCH_ENV):  # else the launcher checked and wrote it
+                refusal = None
+                if ctx.is_main:
+                    try:
+                        refuse_changed_settings(cfg)
+                    except UsageError as exc:
+                        refusal = str(exc)
+                    else:
+                        write_resolved(cfg, run_dir)
+                refusal = ctx.broadcast_object(refusal)  # every rank exits alike
+                if refusal is not None:
+                    raise UsageError(refusal)
+            if ctx.is_main:
                 log.info("run dir %s · world size %d · backend %s · device %s", run_dir, ctx.world_size,
                          ctx.backend, ctx.device)
             parts = parts or Parts()
@@ -119,7 +131,12 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
             raise UsageError(f"fit({key}=...): not a TrainConfig field" + (f"; did you mean {hint[0]}?" if hint else ""))
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
     if not cfg.run_dir:
+        # `fit` resumes only a run dir you name (as HF Trainer's resume_from_checkpoint and Lightning's ckpt_path
+        # are explicit), or its own run after a launcher's restart. Unnamed, each call starts fresh in
+        # runs/<script>, moving that dir's older checkpoints aside to checkpoints/abandoned/.
         cfg.run_dir = str(Path("runs") / Path(sys.argv[0] or "default").stem)
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+            cfg.auto_resume = False
     cfg.validate()
     from ddptrain.preflight import check_data
 
@@ -136,36 +153,47 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
 
 
 def _spawn(cfg: TrainConfig, parts: Parts) -> dict[str, Any]:
-    """`cfg.nproc` local workers with torchrun's environment on a free port; rank 0's summary."""
+    """`cfg.nproc` local workers with torchrun's environment on a free port; rank 0's summary. A failed attempt
+    is started again, up to `cfg.max_restarts` times, as `ddptrain train --nproc` does: the workers resume from
+    the newest committed checkpoint."""
     import torch.multiprocessing as mp
 
     from ddptrain import runlock
     from ddptrain.procenv import free_port
 
-    port = free_port()
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    try:
-        # As `ddptrain train --nproc`'s launcher: this process holds the job's lock, its workers get the token.
-        with runlock.acquire(runlock.job_dirs(cfg)) as lock:
-            mp.start_processes(_spawned, args=(cfg, port, parts, results, lock.token),
-                               nprocs=cfg.nproc, start_method="spawn")
-    except mp.ProcessRaisedException as exc:
-        last = str(exc).strip().splitlines()[-1]  # "module.Class: message" of the worker's exception
-        if last.startswith("ddptrain.errors.UsageError: "):
-            raise UsageError(last.split(": ", 1)[1]) from None
-        raise TrainingError(last) from None
-    except mp.ProcessExitedException as exc:
-        raise TrainingError(f"a worker exited with code {exc.exit_code}") from None
-    return results.get()
+    # As `ddptrain train --nproc`'s launcher: this process holds the job's lock, its workers get the token.
+    with runlock.acquire(runlock.job_dirs(cfg)) as lock:
+        for attempt in range(cfg.max_restarts + 1):
+            try:
+                mp.start_processes(_spawned, args=(cfg, free_port(), parts, results, lock.token, attempt),
+                                   nprocs=cfg.nproc, start_method="spawn")
+                return results.get()
+            except mp.ProcessRaisedException as exc:
+                last = str(exc).strip().splitlines()[-1]  # "module.Class: message" of the worker's exception
+                if last.startswith("ddptrain.errors.UsageError: "):
+                    raise UsageError(last.split(": ", 1)[1]) from None
+                failure = f"rank {exc.error_index} failed: {last}"
+            except mp.ProcessExitedException as exc:
+                how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+                failure = f"rank {exc.error_index} {how}"
+            if attempt == cfg.max_restarts:
+                raise TrainingError(failure + (f" (after {attempt} restarts)" if attempt else ""))
+            print(f"ddptrain: {failure}; restarting the workers ({cfg.max_restarts - attempt} restarts left)",
+                  file=sys.stderr, flush=True)
+            cfg = dataclasses.replace(cfg, auto_resume=True)  # this run's own checkpoints, now
+    raise AssertionError("unreachable")
 
 
-def _spawned(rank: int, cfg: TrainConfig, port: int, parts: Parts, results: Any, lock_token: str) -> None:
+def _spawned(rank: int, cfg: TrainConfig, port: int, parts: Parts, results: Any, lock_token: str,
+             attempt: int) -> None:
     from ddptrain.runlock import TOKEN_ENV
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.nproc),
                       LOCAL_WORLD_SIZE=str(cfg.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ[TOKEN_ENV] = lock_token
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # as torch's agent numbers them (faults.py reads it)
     if "OMP_NUM_THREADS" not in os.environ:  # as `--nproc` gives its workers: the cores shared out
         import torch
 

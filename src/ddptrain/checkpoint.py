@@ -37,6 +37,7 @@ import safetensors.torch
 import torch
 
 import ddptrain
+from ddptrain.errors import UsageError
 from ddptrain.faults import FaultInjector
 
 FORMAT = "ddptrain-checkpoint/1"
@@ -323,3 +324,39 @@ def continues_line(directory: Path, explicit: str) -> bool:
     """Whether `directory` holds a committed checkpoint of the line that `--resume_from explicit` started."""
     origin = str(Path(explicit).resolve())
     return any(read_origin(p) == origin for _, p in committed_steps(directory))
+
+
+def resume_changes(cfg: Any) -> tuple[Path | None, list[str]]:
+    """(the checkpoint a start of `cfg` would resume from, the training settings it was saved under that `cfg`
+    changes): read from the files alone, before any process writes into the run dir. Auto-resume's newest
+    committed checkpoint, or --resume_from's; (None, []) for a fresh start."""
+    from ddptrain.config import setting_changes
+
+    newest = committed_steps(cfg.checkpoint_path)
+    if cfg.resume_from and Path(cfg.resume_from).is_dir():
+        origin = str(Path(cfg.resume_from).resolve())
+        line = [p for _, p in newest if read_origin(p) == origin] if cfg.auto_resume else []
+        path = line[0] if line else Path(cfg.resume_from)  # a later attempt continues the line it started
+    elif cfg.auto_resume and newest:
+        path = newest[0][1]
+    else:
+        return None, []
+    try:
+        saved = json.loads((path / MANIFEST).read_text()).get("config", {})
+    except (OSError, ValueError):  # unreadable: resume's own checks say why, or fall back
+        return path, []
+    return path, setting_changes(saved, cfg)
+
+
+def refuse_changed_settings(cfg: Any) -> None:
+    """UsageError if `cfg` would resume a checkpoint trained with other training settings and does not say
+    --accept_config_change. Before anything is written into the run dir."""
+    path, changes = resume_changes(cfg)
+    if changes and not cfg.accept_config_change:
+        raise UsageError(changed_settings_error(path, changes))
+
+
+def changed_settings_error(path: Path, changes: list[str]) -> str:
+    return (f"{path} was trained with other settings ({'; '.join(changes)}): resume with the settings it was "
+            "trained with, start fresh with --no-auto_resume or another --run_dir, or pass "
+            "--accept_config_change to continue it with the new ones")

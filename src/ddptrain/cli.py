@@ -76,6 +76,7 @@ def cmd_train(argv: list[str]) -> int:
         return run_worker(cfg)
     if cfg.nproc:
         from ddptrain import runlock
+        from ddptrain.checkpoint import refuse_changed_settings
         from ddptrain.config import write_resolved
         from ddptrain.launch import LOCAL_LAUNCH_ENV, launch_local, strip_flag
 
@@ -83,6 +84,7 @@ def cmd_train(argv: list[str]) -> int:
         # The launcher writes config.toml and outlives its workers' restarts: it holds the job's lock, and its
         # workers know that lock as theirs by the token.
         with runlock.acquire(runlock.job_dirs(cfg)) as lock:
+            refuse_changed_settings(cfg)
             write_resolved(cfg, run_dir)  # with the launch settings
             os.environ[LOCAL_LAUNCH_ENV] = "1"
             os.environ[runlock.TOKEN_ENV] = lock.token

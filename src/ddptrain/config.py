@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import difflib
 import importlib
+import json
 import math
 import os
 import sys
@@ -155,6 +156,9 @@ class TrainConfig:
     keep_last: int = opt(3, "keep this many committed checkpoints (0 = keep all)", min=0, group="checkpoints")
     resume_from: str = opt("", "checkpoint dir to resume from (default: newest committed one in "
                            "checkpoint_dir, if any)", group="checkpoints")
+    accept_config_change: bool = opt(False, "resume even though training settings (model, data, optimizer, "
+                                     "lr, seed, ...) differ from the checkpoint's; by default such a resume is "
+                                     "refused (exit 2)", group="checkpoints")
     auto_resume: bool = opt(True, "resume from the newest committed checkpoint in checkpoint_dir",
                             group="checkpoints")
     async_checkpoint: bool = opt(False, "write checkpoints in a background thread", group="checkpoints")
@@ -238,6 +242,9 @@ class TrainConfig:
                              "does not support no_sync accumulation); drop one of the two flags")
         if self.dataset in FILE_DATASETS and not self.data_dir:
             raise UsageError(f"--dataset {self.dataset} reads files: pass --data_dir DIR")
+        if self.resume_from and not Path(self.resume_from).is_absolute() and not Path(self.resume_from).exists() \
+                and (Path(self.run_dir) / self.resume_from).exists():
+            self.resume_from = str(Path(self.run_dir) / self.resume_from)  # `checkpoints/step-N` of the run dir
         if self.resume_from and not Path(self.resume_from).is_dir():
             from ddptrain.checkpoint import continues_line  # a restart may find it purged, its line continued
 
@@ -267,6 +274,34 @@ class TrainConfig:
 
 
 BUILTIN_MODELS = ("mini_resnet", "mlp", "gpt")
+
+# What the weights see: a checkpoint trained under other values of these is another training, which a resume
+# must not silently continue (--accept_config_change to do it anyway). Not among them: how long to train
+# (epochs, max_steps), how the work is spread (processes, strategy, per-process batch and accumulation for
+# the same global batch: resumed sample-exactly), and everything about saving, logging and speed.
+TRAINING_SETTINGS = (
+    "task", "model", "dataset", "data_dir", "tokenizer", "text_field", "prompt_field", "response_field",
+    "label_field", "pad_token_id", "seq_len", "vocab_size", "num_layers", "num_heads", "num_classes", "in_channels",
+    "image_size", "dataset_size", "width", "norm", "sync_batchnorm", "optimizer", "lr", "momentum", "weight_decay",
+    "decay_all", "lr_schedule", "warmup_steps", "min_lr", "scale_lr", "base_batch_size", "grad_clip", "use_amp",
+    "amp_dtype", "seed")
+
+
+def setting_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """The training settings whose value in `cfg` differs from `saved` (a checkpoint's config), as
+    "lr 0.01 -> 0.1"; settings the saved config predates are not compared."""
+    return [f"{name} {saved[name]!r} -> {getattr(cfg, name)!r}" for name in TRAINING_SETTINGS
+            if name in saved and saved[name] != getattr(cfg, name)]
+
+
+def settings_digest(cfg: TrainConfig) -> str:
+    """8 hex digits of the training settings: the same for every run that trains the same thing."""
+    import hashlib
+
+    text = "\n".join(f"{name}={getattr(cfg, name)!r}" for name in TRAINING_SETTINGS)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
 FILE_DATASETS = ("cifar10", "cifar100", "imagefolder", "tokens")
 BUILTIN_DATASETS = ("synthetic", "digits", "pydoc") + FILE_DATASETS
 BUILTIN_TASKS = ("classification", "regression", "language_model")
@@ -356,10 +391,16 @@ def to_toml(cfg: TrainConfig) -> str:
 
 
 def write_resolved(cfg: TrainConfig, run_dir: Path) -> Path:
-    """RUN_DIR/config.toml, the resolved config, written atomically; once per run, by one process."""
-    from ddptrain.checkpoint import write_atomic
+    """RUN_DIR/config.toml, the resolved config, written atomically; once per run, by one process, after the
+    resume check: a run that goes on from a checkpoint with changed training settings (--accept_config_change)
+    keeps the config those weights were trained with as config-until-step-N.toml."""
+    from ddptrain.checkpoint import resume_changes, write_atomic
 
     path = run_dir / "config.toml"
+    checkpoint, changes = resume_changes(cfg)
+    if changes and path.is_file():
+        step = json.loads((checkpoint / "manifest.json").read_text())["step"]
+        path.replace(run_dir / f"config-until-step-{step}.toml")
     write_atomic(path, to_toml(cfg).encode())
     return path
 
@@ -404,8 +445,10 @@ def resolve_config(argv: list[str], *, validate: bool = True) -> TrainConfig:
     values.update(args)
     cfg = TrainConfig(**values)
     if not cfg.run_dir:
-        stem = Path(config_file).stem if config_file else "default"
-        cfg.run_dir = str(Path("runs") / stem)
+        # Runs without a config file get a dir of their own per set of training settings: the same command run
+        # again (a restart, a requeue) finds its checkpoints, another command does not train on top of them.
+        name = Path(config_file).stem if config_file else f"default-{settings_digest(cfg)}"
+        cfg.run_dir = str(Path("runs") / name)
     if validate:
         cfg.validate()
     return cfg

@@ -4,9 +4,11 @@ A plug-in dataset may be a `torch.utils.data.IterableDataset` — a stream with 
 numbered k = 0, 1, 2, ... in stream order. With W loader workers per rank there are S = world x max(W, 1)
 readers; reader s = rank x max(W, 1) + worker takes the elements with k mod S = s. Every reader iterates
 the whole stream and keeps its share, so an epoch reads each element exactly once across the job, whatever
-the stream is; a stream that can skip cheaply may shard itself instead (see docs/data.md). Before element k
-is drawn, the global RNGs are seeded from (seed, epoch, k), so random augmentation inside the stream is a
-function of the element.
+the stream is. The stream itself sees `get_worker_info()` as None while ddptrain reads it: one that splits
+itself by loader worker (as PyTorch's docs teach for plain DataLoaders) reads everything, and ddptrain's split
+is the only one. Before element k is drawn, the global RNGs are seeded from (seed, epoch, k), so random
+augmentation inside the stream is a function of the element; in the training process (no loader workers)
+the trainer's own RNG states are put back after every element.
 
 Position: each rank records, per reader, the largest k it has trained on (batch ids are stream indices, and
 a loader batch comes from one reader). A resumed reader skips its elements up to there: exact at the same
@@ -46,33 +48,55 @@ class StreamShard(IterableDataset):
         self.done: dict[int, int] = {}  # reader -> the largest k already trained on
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
-        from ddptrain.data import mix_seed, seed_global_rngs
+        from ddptrain.data import mix_seed
 
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         readers, reader = self.world_size * workers, self.rank * workers + worker
         after = self.done.get(reader, -1)
-        restore = info is None  # in the training process the RNG streams belong to dropout & co.
-        saved = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if restore else None
+        read = _Reading(in_trainer=info is None)
+        # Every reader must see the same stream: whatever it draws when it starts (a shuffle in set_epoch or
+        # __iter__) and before each element is seeded alike on all of them.
+        stream = read(mix_seed(self.seed, self.epoch, STREAM_START), self._start)
+        k = 0
+        while True:
+            try:
+                item = read(mix_seed(self.seed, self.epoch, k), lambda: next(stream))
+            except StopIteration:
+                return
+            if k % readers == reader and k > after:
+                yield k, item
+            k += 1
+
+    def _start(self) -> Iterator:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(self.epoch)
+        return iter(self.dataset)
+
+
+class _Reading:
+    """Runs a piece of the user's stream as ddptrain's sharding needs it: the global RNGs seeded by the element,
+    and `get_worker_info()` None (a stream that splits itself by loader worker, as PyTorch's docs teach, would
+    otherwise split a second time what ddptrain already splits: half the data lost at 2 workers). In the
+    training process the trainer's own RNG states are put back after each element, before control returns to
+    anything else: between two elements of a batch, and between batches, dropout draws from the trainer's
+    streams, never from the stream's seeds."""
+
+    def __init__(self, in_trainer: bool):
+        self.in_trainer = in_trainer
+
+    def __call__(self, seed: int, part: Callable[[], Any]) -> Any:
+        from torch.utils.data._utils import worker as worker_state
+
+        from ddptrain.data import seed_global_rngs
+
+        saved = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if self.in_trainer else None
+        info, worker_state._worker_info = worker_state._worker_info, None
         try:
-            # Every reader must see the same stream: whatever it draws when it starts (a shuffle in
-            # set_epoch or __iter__) and before each element is seeded alike on all of them.
-            seed_global_rngs(mix_seed(self.seed, self.epoch, STREAM_START))
-            if hasattr(self.dataset, "set_epoch"):
-                self.dataset.set_epoch(self.epoch)
-            stream = iter(self.dataset)
-            k = 0
-            while True:
-                mine = k % readers == reader
-                seed_global_rngs(mix_seed(self.seed, self.epoch, k))
-                try:
-                    item = next(stream)
-                except StopIteration:
-                    return
-                if mine and k > after:
-                    yield k, item
-                k += 1
+            seed_global_rngs(seed)
+            return part()
         finally:
+            worker_state._worker_info = info
             if saved is not None:
                 torch.set_rng_state(saved[0])
                 np.random.set_state(saved[1])

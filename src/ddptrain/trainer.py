@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from ddptrain.batch import to_device
-from ddptrain.checkpoint import Position, safetensors_bytes, write_atomic
+from ddptrain.checkpoint import Position, changed_settings_error, safetensors_bytes, write_atomic
 from ddptrain.checkpoint_manager import CheckpointManager
-from ddptrain.config import TrainConfig
+from ddptrain.config import TrainConfig, setting_changes
 from ddptrain.data import BatchLayout, build_datasets, epoch_batches
 from ddptrain.distributed import DistributedContext, LaggedVote
-from ddptrain.errors import Preempted, TrainingError
+from ddptrain.errors import Preempted, TrainingError, UsageError
 from ddptrain.evaluator import Evaluator
 from ddptrain.faults import FaultInjector
 from ddptrain import hf
@@ -385,6 +385,12 @@ class Trainer:
             loaded = self.checkpoints.resume(self.cfg.resume_from, self.module.state_dict(),
                                              continue_line=self.cfg.auto_resume)
         if loaded is not None:
+            changes = setting_changes(loaded.manifest["config"], self.cfg)
+            if changes and not self.cfg.accept_config_change:
+                raise UsageError(changed_settings_error(loaded.path, changes))
+            if changes and self.ctx.is_main:
+                log.warning("continuing %s with changed training settings (--accept_config_change): %s",
+                            loaded.path, "; ".join(changes))
             restore(self, loaded)
         self.checkpoints.start_line(loaded)
 
