@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from ddptrain.data import SyntheticImages
 
@@ -44,6 +44,11 @@ def float64_images(cfg):
 def none_item(cfg):
     """Item 3 is None (a sample that failed to load)."""
     return _altered(cfg, lambda image, label: None, index=3)
+
+
+def none_item_of_rank_1(cfg):
+    """Item 40 is None: at --batch_size 32, in the first batch of rank 1 only."""
+    return _altered(cfg, lambda image, label: None, index=40)
 
 
 def mixed_items(cfg):
@@ -135,3 +140,18 @@ class _FailsLater:
                 raise RuntimeError("the disk went away")
         total = F.cross_entropy(model(inputs), labels, reduction="sum")
         return total / len(labels), {"loss": (total.detach(), len(labels))}
+
+
+class ShortStream(IterableDataset):
+    """The first `length` synthetic images as a stream."""
+
+    def __init__(self, images: SyntheticImages, length: int):
+        self.images, self.length = images, length
+
+    def __iter__(self):
+        return (self.images[i] for i in range(self.length))
+
+
+def short_stream(cfg):
+    """A stream of one element: fewer than the readers of one process with --num_workers 2."""
+    return ShortStream(_images(cfg, 1), 1), None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,35 @@ def assert_close_weights(expected: dict[str, torch.Tensor], actual: dict[str, to
         scale = want.abs().max().item()
         torch.testing.assert_close(actual[key], want, rtol=rel, atol=rel * scale,
                                    msg=lambda m, key=key: f"{key}: {m}")
+
+
+def initial_weights(*flags: str) -> dict[str, torch.Tensor]:
+    """The weights a run of TINY + `flags` starts from: the trainer seeds the model's init with --seed."""
+    from ddptrain.config import resolve_config
+    from ddptrain.models import build_model
+
+    cfg = resolve_config([*TINY, *flags], validate=False)
+    torch.manual_seed(cfg.seed)
+    return build_model(cfg).state_dict()
+
+
+def assert_trained(final: dict[str, torch.Tensor], initial: dict[str, torch.Tensor], margin: float = 1e-2) -> None:
+    """Equal results mean little if nothing moved (a learning rate of 0 makes every split equal): some weight
+    must have moved by `margin`, far beyond the tolerances the equality tests use."""
+    moved = max((final[k].double() - initial[k].double()).abs().max().item() for k in final)
+    assert moved > margin, f"the weights moved by at most {moved:g} from their initialisation"
+
+
+RESUMED = re.compile(r"resuming from .+ \(step (\d+)\)$", re.MULTILINE)
+
+
+def assert_restarted(proc: subprocess.CompletedProcess, run_dir: Path, from_step: int) -> None:
+    """A kill-and-restart test must not pass when nothing was killed: the launcher restarted the worker group
+    once, and rank 0 then resumed from the checkpoint of `from_step` (and only once)."""
+    restarts = proc.stderr.count("attempts left; will restart worker group")
+    assert restarts == 1, f"the launcher restarted the workers {restarts} times, not once\n{proc.stderr}"
+    resumed = [int(s) for s in RESUMED.findall((run_dir / "logs" / "rank-0.log").read_text())]
+    assert resumed == [from_step], f"rank 0 resumed from steps {resumed}, not once from step {from_step}"
 
 
 def last_committed(run_dir: Path) -> Path:

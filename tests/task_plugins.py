@@ -59,8 +59,11 @@ class PairedImages(Dataset):
         gen = torch.Generator().manual_seed(self.seed * 7919 + self.offset + index)
         label = int(torch.randint(2, (), generator=gen))
         left = torch.randn(self.features, generator=gen) + (1.5 if label else -1.5)
-        return {"pair": Pair(left, left.flip(0) + 0.1 * torch.randn(self.features, generator=gen), label),
-                "weight": torch.tensor(1.0)}
+        right = left.flip(0) + 0.1 * torch.randn(self.features, generator=gen)
+        # A weight of its own per sample, from 0.1 to 3: a trainer that loses or misaligns them trains and
+        # evaluates another loss.
+        weight = 0.1 + 2.9 * torch.rand((), generator=gen)
+        return {"pair": Pair(left, right, label), "weight": weight}
 
 
 def paired_data(cfg):

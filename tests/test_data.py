@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -401,7 +402,9 @@ def test_loader_workers_end_with_a_killed_trainer(tmp_path, start_method):
     script, out = tmp_path / "killed_trainer.py", tmp_path / "pids"
     script.write_text(_KILLED_TRAINER)
     with out.open("w") as stdout:
-        subprocess.run([sys.executable, str(script), start_method], env=cli_env(), stdout=stdout, timeout=120)
+        proc = subprocess.run([sys.executable, str(script), start_method], env=cli_env(), stdout=stdout,
+                              timeout=120)
+    assert proc.returncode == -signal.SIGKILL, f"the trainer was not killed (exit {proc.returncode})"
     pids = [int(p) for p in out.read_text().split()]
     assert len(pids) == 2
 

@@ -67,3 +67,21 @@ def test_readme_is_short_and_reaches_every_docs_page_in_one_link():
     assert not unlinked, f"README.md does not link {unlinked}"
     text = README.read_text()
     assert "make run    #" in text and "make test   #" in text  # the two commands
+
+
+def test_the_top_package_exports_what_the_docs_name_and_imports_no_torch_until_asked():
+    # A fresh interpreter: this one has torch already. LossSum's module imports torch, so it is a lazy export.
+    code = """
+import sys
+import ddptrain
+assert "torch" not in sys.modules, "import ddptrain imported torch"
+from ddptrain import TrainingError, UsageError, fit, TrainConfig
+import ddptrain.errors
+assert ddptrain.UsageError is ddptrain.errors.UsageError and ddptrain.TrainingError is ddptrain.errors.TrainingError
+assert "torch" not in sys.modules
+import ddptrain.tasks
+assert ddptrain.LossSum is ddptrain.tasks.LossSum and set(ddptrain.__all__) <= set(dir(ddptrain))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=REPO / "src")
+    assert proc.returncode == 0, proc.stderr

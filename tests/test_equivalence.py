@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import pipeline_runs as runs
-from helpers import TINY, assert_close_weights, metrics, train, weights
+from helpers import TINY, assert_close_weights, assert_trained, metrics, train, weights
+from helpers import initial_weights as initial_weights_of
 from ddptrain.config import resolve_config
 from ddptrain.data import build_datasets
 from ddptrain.models import build_model
@@ -41,16 +42,8 @@ def run_config(*extra: str):
 
 
 def initial_weights(*extra: str) -> dict[str, torch.Tensor]:
-    """The weights every run starts from (the trainer seeds the model init with --seed)."""
-    cfg = run_config(*extra)
-    torch.manual_seed(cfg.seed)
-    return build_model(cfg).state_dict()
-
-
-def assert_trained(final: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> None:
-    """Equal results mean little if nothing moved: the update must dwarf the tolerance."""
-    moved = max((final[k] - initial[k]).abs().max().item() for k in final)
-    assert moved > 1e-2, moved
+    """The weights every run of the shared job starts from."""
+    return initial_weights_of(*runs.SHARED, *extra)
 
 
 def train_steps(run_dir: Path) -> list[int]:
@@ -74,8 +67,43 @@ def test_group_norm_resnet_two_processes_equal_one(tmp_path: Path):
     train(tmp_path / "two", *shape, "--batch_size", "16", nproc=2)
     one, two = weights(tmp_path / "one" / "model.safetensors"), weights(tmp_path / "two" / "model.safetensors")
     assert [k for k in one if "running_mean" in k] == [], "GroupNorm model must have no BatchNorm buffers"
+    assert_trained(one, initial_weights_of(*shape))
     assert_same_weights(one, two)
     assert train_steps(tmp_path / "two") == [1, 2]
+    assert UNSYNCED_BN not in (tmp_path / "two" / "logs" / "rank-0.log").read_text()
+
+
+UNSYNCED_BN = "BatchNorm layers without sync"
+BN_RESNET = ["--model", "mini_resnet", "--norm", "batch", "--width", "4", "--dataset_size", "64", "--eval_size", "0",
+             "--max_steps", "1"]
+
+
+def test_batchnorm_at_world_size_2_warns_once_that_2_processes_do_not_equal_1(tmp_path: Path):
+    proc = train(tmp_path / "two", *BN_RESNET, "--batch_size", "16", nproc=2)
+    logs = [(tmp_path / "two" / "logs" / f"rank-{rank}.log").read_text() for rank in (0, 1)]
+    assert logs[0].count(UNSYNCED_BN) == 1 and UNSYNCED_BN not in logs[1]
+    line = next(line for line in logs[0].splitlines() if UNSYNCED_BN in line)
+    assert "WARNING" in line and "2 processes do not learn exactly what 1" in line
+    assert "--sync_batchnorm" in line and "--norm group" in line
+    assert (proc.stdout + proc.stderr).count(UNSYNCED_BN) == 1
+    alone = train(tmp_path / "one", *BN_RESNET, "--batch_size", "32")
+    assert UNSYNCED_BN not in alone.stdout + alone.stderr + (tmp_path / "one" / "logs" / "rank-0.log").read_text()
+
+
+def test_only_batchnorm_that_normalises_with_batch_statistics_counts_as_unsynced():
+    import user_plugins
+    from ddptrain.parallel import unsynced_batchnorm
+
+    resnet = build_model(run_config("--model", "mini_resnet", "--norm", "batch"))
+    layers = unsynced_batchnorm(resnet)
+    resnet.get_submodule(layers[0]).eval()
+    assert unsynced_batchnorm(resnet) == layers[1:], "a layer the user froze normalises with running statistics"
+    assert unsynced_batchnorm(build_model(run_config("--model", "mini_resnet", "--norm", "group"))) == []
+    assert unsynced_batchnorm(user_plugins.FrozenNormMLP(12, 2, 4)) == [], "frozen: running statistics"
+    synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(4)))
+    assert unsynced_batchnorm(synced) == []
+    stateless = torch.nn.Sequential(torch.nn.BatchNorm1d(4, track_running_stats=False)).eval()
+    assert unsynced_batchnorm(stateless) == ["0"], "no running statistics: batch statistics even in eval"
 
 
 def test_accumulation_world_2_x_accum_2_equals_world_1_x_accum_4(tmp_path_factory, single: Path):

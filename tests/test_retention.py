@@ -108,13 +108,19 @@ def test_a_fresh_start_moves_the_old_line_aside(tmp_path):
 def test_a_changed_optimizer_is_a_usage_error_and_moves_nothing(tmp_path):
     history(tmp_path, 2)
     line = one_line_error(train(tmp_path, *JOB, "--optimizer", "adamw", "--max_steps", "4", check=False))
+    assert "optimizer 'sgd' -> 'adamw'" in line and "--accept_config_change" in line
+    assert committed(tmp_path) == [2] and abandoned(tmp_path) == []
+    # Forced, the optimizer's state still cannot be carried from sgd to adamw: refused, naming both.
+    line = one_line_error(train(tmp_path, *JOB, "--optimizer", "adamw", "--max_steps", "4", "--accept_config_change",
+                                check=False))
     assert "--optimizer adamw" in line and "sgd" in line
     assert committed(tmp_path) == [2] and abandoned(tmp_path) == []
 
 
 def test_on_resume_the_config_sets_the_optimizer_hyperparameters(tmp_path):
     history(tmp_path, 2)
-    proc = train(tmp_path, *JOB, "--momentum", "0.5", "--weight_decay", "0.003", "--max_steps", "4")
+    proc = train(tmp_path, *JOB, "--momentum", "0.5", "--weight_decay", "0.003", "--max_steps", "4",
+                 "--accept_config_change")
     assert "momentum 0.9 -> 0.5" in proc.stdout and "weight_decay 0.0001 -> 0.003" in proc.stdout
     groups = optimizer_state(tmp_path / "checkpoints" / "step-4")["param_groups"]
     assert all(g["momentum"] == 0.5 and g["weight_decay"] == 0.003 for g in groups)

@@ -8,7 +8,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from helpers import assert_bitwise_equal, metrics, one_line_error, read_jsonl, train, weights
+from helpers import assert_bitwise_equal, assert_restarted, metrics, one_line_error, read_jsonl, train, weights
 
 NUM = 203  # elements in the stream: not a multiple of the 4 readers or the batch
 STREAM = ["--dataset", "stream_plugins:image_stream", "--dataset_size", str(NUM), "--eval_size", "37",
@@ -31,15 +31,15 @@ def test_each_element_is_read_once_per_epoch_across_ranks_and_workers(tmp_path):
     assert metrics(tmp_path, "eval")[-1]["samples"] == 37, "eval reads every element once"
 
 
-@pytest.mark.parametrize("save_every, fault", [
-    ("5", "rank=1,step=8,kind=sigkill"),    # mid-epoch
-    ("12", "rank=0,step=14,kind=sigkill"),  # resumed from the checkpoint right after each rank's last batch
+@pytest.mark.parametrize("save_every, fault, resumed_step", [
+    ("5", "rank=1,step=8,kind=sigkill", 5),     # mid-epoch
+    ("12", "rank=0,step=14,kind=sigkill", 12),  # resumed from the checkpoint right after each rank's last batch
 ], ids=["mid-epoch", "epoch-end"])
-def test_a_killed_stream_run_resumes_bitwise(tmp_path, save_every, fault):
+def test_a_killed_stream_run_resumes_bitwise(tmp_path, save_every, fault, resumed_step):
     job = [*STREAM, "--max_steps", "16", "--save_every_steps", save_every]
     train(tmp_path / "straight", *job, nproc=2)
-    train(tmp_path / "killed", *job, "--max_restarts", "1", nproc=2, env={"DDPTRAIN_FAULT": fault})
-    assert "resuming from" in (tmp_path / "killed" / "logs" / "rank-0.log").read_text(), "no restart happened"
+    proc = train(tmp_path / "killed", *job, "--max_restarts", "1", nproc=2, env={"DDPTRAIN_FAULT": fault})
+    assert_restarted(proc, tmp_path / "killed", from_step=resumed_step)
     assert_bitwise_equal(weights(tmp_path / "killed" / "model.safetensors"),
                          weights(tmp_path / "straight" / "model.safetensors"))
     losses = lambda d: [(r["step"], r["loss"]) for r in metrics(d, "train")]  # noqa: E731

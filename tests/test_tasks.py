@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import (REPO, TINY, assert_bitwise_equal, assert_close_weights, cli_env, metrics, read_jsonl, run_cli,
-                     train, weights)
+from helpers import (REPO, TINY, assert_bitwise_equal, assert_close_weights, assert_restarted, assert_trained,
+                     cli_env, initial_weights, metrics, read_jsonl, run_cli, train, weights)
 
 REGRESSION = ["--task", "regression", "--model", "task_plugins:regressor", "--dataset", "task_plugins:regression_data",
               "--width", "8", "--dataset_size", "256", "--eval_size", "64", "--epochs", "2"]
@@ -37,6 +37,7 @@ def final(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_two_processes_equal_one(tmp_path, job):
     train(tmp_path / "one", *job, "--batch_size", "32")
     train(tmp_path / "two", *job, "--batch_size", "16", nproc=2)
+    assert_trained(final(tmp_path / "one"), initial_weights(*job))
     assert_close_weights(final(tmp_path / "one"), final(tmp_path / "two"), rel=1e-6)
     one, two = metrics(tmp_path / "one", "eval")[-1], metrics(tmp_path / "two", "eval")[-1]
     assert one["samples"] == two["samples"]
@@ -46,8 +47,9 @@ def test_two_processes_equal_one(tmp_path, job):
 def test_regression_reports_mse_mae_rmse_and_restarts_bitwise(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     train(straight, *REGRESSION, "--batch_size", "16", "--save_every_steps", "3", nproc=2)
-    train(killed, *REGRESSION, "--batch_size", "16", "--save_every_steps", "3", "--max_restarts", "1", nproc=2,
-          env=KILL)
+    proc = train(killed, *REGRESSION, "--batch_size", "16", "--save_every_steps", "3", "--max_restarts", "1", nproc=2,
+                 env=KILL)
+    assert_restarted(proc, killed, from_step=3)
     assert_bitwise_equal(final(killed), final(straight))
     last = metrics(straight, "eval")[-1]
     assert last["rmse"] == pytest.approx(math.sqrt(last["mse"])) and last["loss"] == last["mse"]
@@ -95,7 +97,8 @@ def test_token_files_resume_bitwise_after_a_kill(tmp_path, token_dir):
     job = ["--dataset", "tokens", "--data_dir", str(token_dir), *LM, "--batch_size", "8", "--num_workers", "2",
            "--save_every_steps", "3"]
     train(tmp_path / "straight", *job, nproc=2)
-    train(tmp_path / "killed", *job, "--max_restarts", "1", nproc=2, env=KILL)
+    proc = train(tmp_path / "killed", *job, "--max_restarts", "1", nproc=2, env=KILL)
+    assert_restarted(proc, tmp_path / "killed", from_step=3)
     assert_bitwise_equal(final(tmp_path / "killed"), final(tmp_path / "straight"))
     losses = lambda d: [(r["step"], r["loss"]) for r in metrics(d, "train")]  # noqa: E731
     assert losses(tmp_path / "killed") == losses(tmp_path / "straight")
@@ -112,18 +115,33 @@ def test_a_dict_model_and_a_task_of_its_own_train_and_evaluate_exactly(tmp_path)
     import task_plugins
     from ddptrain.batch import collate
 
-    train(tmp_path, *DICT_JOB, nproc=2)
+    train(tmp_path, *DICT_JOB, "--record_sample_ids", nproc=2)
+    # Training used each sample's weight: step 1's loss is the weighted loss of the initial model on its samples.
+    step_1 = [i for rank in (0, 1) for row in read_jsonl(tmp_path / "samples" / f"rank-{rank}.jsonl")
+              if row["step"] == 1 for i in row["ids"]]
+    train_ds = task_plugins.PairedImages(512, 6, seed=42)
+    torch.manual_seed(42)
+    initial = task_plugins.dict_model(type("Cfg", (), {"width": 6})())
+    with torch.no_grad():
+        first, _ = task_plugins.WeightedPairTask().loss(initial, collate([train_ds[i] for i in step_1]))
+    assert len(step_1) == 32
+    assert metrics(tmp_path, "train")[0]["loss"] == pytest.approx(first.item(), rel=1e-5)
     logged = metrics(tmp_path, "eval")[-1]
     model = task_plugins.dict_model(type("Cfg", (), {"width": 6})())
     model.load_state_dict(load_file(str(tmp_path / "model.safetensors")))
     model.eval()
     eval_ds = task_plugins.PairedImages(101, 6, seed=42, offset=512)
+    batch = collate([eval_ds[i] for i in range(len(eval_ds))])
     with torch.no_grad():
-        _, sums = task_plugins.WeightedPairTask().loss(model, collate([eval_ds[i] for i in range(len(eval_ds))]))
+        _, sums = task_plugins.WeightedPairTask().loss(model, batch)
+        _, unweighted = task_plugins.WeightedPairTask().loss(model, {**batch, "weight": torch.ones(len(eval_ds))})
     alone = {name: (total / count).item() for name, (total, count) in sums.items()}
     assert logged["samples"] == 101
     assert logged["error"] == pytest.approx(alone["error"], abs=1e-12)  # counts: exact
     assert math.isclose(logged["loss"], alone["loss"], rel_tol=1e-6)
+    # The weights vary per sample, so the loss above is not the one an evaluation that lost them reports.
+    lost = (unweighted["loss"][0] / unweighted["loss"][1]).item()
+    assert not math.isclose(alone["loss"], lost, rel_tol=1e-2), (alone["loss"], lost)
     assert math.isclose(logged["margin"], alone["margin"], rel_tol=1e-5)
     assert logged["error"] < 0.2, "the plug-in task learned"
 

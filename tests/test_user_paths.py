@@ -104,3 +104,41 @@ def test_fit_with_nproc_restarts_a_killed_worker_as_the_cli_does(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "fit_script.py"), str(tmp_path / "two"), "6", "2"],
                           capture_output=True, text=True, env=cli_env(killed), cwd=tmp_path, timeout=300)
     assert proc.returncode == 1 and "failed: TrainingError: rank 1 was killed by SIGKILL" in proc.stdout, proc.stdout
+
+
+FIT_A_MODULE = """
+import json, sys
+
+import torch
+from safetensors.torch import save_file
+
+import ddptrain
+from ddptrain.data import SyntheticImages
+from ddptrain.models import MLP
+
+if __name__ == "__main__":  # fit(nproc=2) spawns workers that import this file
+    model = MLP(64, 4, hidden=16)
+    save_file({k: v.clone() for k, v in model.state_dict().items()}, "before.safetensors")
+    config = ddptrain.TrainConfig(num_classes=4, in_channels=1, image_size=8, batch_size=16, max_steps=4,
+                                  save_every=0, num_workers=0, progress=False, nproc=2, run_dir=sys.argv[1])
+    summary = ddptrain.fit(model=model, train_data=SyntheticImages(256, num_classes=4, channels=1, image_size=8,
+                                                                    seed=3), config=config)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, "after.safetensors")
+    print(json.dumps({"step": summary["step"], "weights": summary["weights"]}))
+"""
+
+
+def test_fit_with_nproc_gives_the_trained_weights_back_to_the_module_passed_in(tmp_path):
+    from safetensors.torch import load_file
+
+    (tmp_path / "fit_module.py").write_text(FIT_A_MODULE)
+    proc = subprocess.run([sys.executable, "fit_module.py", "run"], capture_output=True, text=True, env=cli_env(),
+                          cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.splitlines()[-1])
+    assert summary["step"] == 4 and summary["weights"] == "run/model.safetensors"
+    before, after = load_file(tmp_path / "before.safetensors"), load_file(tmp_path / "after.safetensors")
+    final = load_file(tmp_path / "run" / "model.safetensors")
+    assert after.keys() == final.keys()
+    assert all(torch.equal(after[k], final[k]) for k in final), "the module holds the run's final weights"
+    assert not all(torch.equal(after[k], before[k]) for k in before), "and they are trained, not the initial ones"

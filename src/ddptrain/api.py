@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 import sys
 import traceback
@@ -46,8 +47,9 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
     from ddptrain.checkpoint import refuse_changed_settings
     from ddptrain.distributed import distributed
     from ddptrain.launch import LOCAL_LAUNCH_ENV
-    from ddptrain.observe.log import setup_logging
+    from ddptrain.observe.log import rank_log_path, setup_logging
     from ddptrain.observe.watchdog import record_for_launcher
+    from ddptrain.sanity import plugin_names, usage_error_of
     from ddptrain.trainer import Trainer
 
     run_dir = Path(cfg.run_dir)
@@ -82,12 +84,19 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
             traceback.clear_frames(exc.__traceback__)  # as below: the exception must not keep the Trainer alive
             raise
         except Exception as exc:
+            model_name = plugin_names(cfg, parts or Parts())["model"]
+            usage = usage_error_of(exc, trainer.module if trainer is not None else None, model_name)
+            if usage is not None:  # torch's words for a user's mistake (DDP's unused parameters): one line
+                traceback.clear_frames(exc.__traceback__)
+                raise usage from None
             step = trainer.position.step if trainer is not None else "startup"
-            log.error("failed at step %s:\n%s", step, traceback.format_exc())
-            sys.stderr.write(traceback.format_exc())
-            line = (f"rank {ctx.rank} on host {ctx.host} failed at step {step}: {type(exc).__name__}: {exc}"
+            # The traceback goes once, into this rank's log; the console gets one line per rank (and, from a
+            # launcher, one naming the rank that failed first).
+            _to_rank_log(log, f"failed at step {step}:\n{traceback.format_exc()}")
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            line = (f"rank {ctx.rank} on host {ctx.host} failed at step {step}: {type(exc).__name__}: {message}"
                     f"{netinfo.lost_peers_note(str(exc), ctx.hosts, ctx.addrs, ctx.addr)}")
-            sys.stderr.write(f"ddptrain: {line}\n")
+            sys.stderr.write(f"ddptrain: {line} (traceback in {rank_log_path(run_dir, ctx.rank)})\n")
             record_for_launcher(exc)
             traceback.clear_frames(exc.__traceback__)  # its frames' locals (the Trainer) become garbage now
             raise WorkerFailed(line) from exc
@@ -96,6 +105,14 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
                 trainer.close()  # loader workers stop now, not at a garbage collection after the group is gone
                 trainer.parallel.release()
             trainer = None  # `distributed` frees it with the process groups: nothing else may hold it
+
+
+def _to_rank_log(log: logging.Logger, message: str) -> None:
+    """`message` as an ERROR line of this rank's log file (RUN_DIR/logs/rank-R.log) only, not the console."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in log.handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def as_task(task: Any) -> Any:
@@ -118,11 +135,18 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
     """Train `model` on `train_data`, evaluating on `eval_data`, as `config` (plus keyword overrides) says.
 
     `model`: an nn.Module, or fn(cfg) -> nn.Module (built after seeding, identically on every rank); None
-    for the config's --model. `train_data` / `eval_data`: map-style datasets whose items may be any nesting of
-    tensors; None for the config's --dataset. `task`: a built-in's name, an object with loss(model, batch)
-    (see ddptrain.tasks), or None for the config's --task. `collate_fn`, `optimizer`, `scheduler`: see
-    `Parts`. Returns the summary (step, epoch, eval metrics) in the calling process, or None on ranks other
-    than 0 under torchrun; raises UsageError for bad input and TrainingError when training fails.
+    for the config's --model. `train_data` / `eval_data`: datasets, map-style or iterable, whose items may be
+    any nesting of tensors; None for the config's --dataset. `task`: a built-in's name, an object with
+    loss(model, batch) (see ddptrain.tasks), or None for the config's --task. `collate_fn`, `optimizer`,
+    `scheduler`: see `Parts`. Returns the summary (step, epoch, eval metrics, and `weights`: the path of the final
+    RUN_DIR/model.safetensors) in the calling process, or None on ranks other than 0 under torchrun; raises
+    UsageError for bad input and TrainingError when training fails.
+
+    The trained weights, in every mode: an nn.Module you pass holds them when `fit` returns. In this process
+    (or under torchrun) it is the module that trained; with `nproc = N` the workers trained copies of it, and
+    `fit` loads the final weights into yours. Under --strategy fsdp/hsdp in this process your module is
+    sharded in place: load `summary["weights"]` into a fresh one. A model given as fn(cfg) or by --model:
+    load `summary["weights"]`.
     """
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     for key in overrides:
@@ -146,10 +170,18 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
     from ddptrain.distributed import read_launch_env
 
     env = read_launch_env()
+    weights = Path(cfg.run_dir) / "model.safetensors"
     if env.launched or not cfg.nproc:
-        summary = train_worker(cfg, parts)
-        return summary if env.rank == 0 else None
-    return _spawn(cfg, parts)
+        summary = train_worker(cfg, parts)  # an nn.Module passed in is the one that trained
+        return {**summary, "weights": str(weights)} if env.rank == 0 else None
+    summary = _spawn(cfg, parts)
+    from torch import nn
+
+    if isinstance(model, nn.Module):  # the workers trained copies of it: give it their final weights
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(weights)))
+    return {**summary, "weights": str(weights)}
 
 
 def _spawn(cfg: TrainConfig, parts: Parts) -> dict[str, Any]:

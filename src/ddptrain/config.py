@@ -139,6 +139,10 @@ class TrainConfig:
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB", min=0.0, group="distributed")
     static_graph: bool = opt(False, "tell DDP the graph is the same every step (not with --grad_accum_steps > 1)",
                              group="distributed")
+    find_unused_parameters: bool = opt(False, "let DDP train a model whose loss leaves some parameters unused in "
+                                       "a step (an auxiliary head, a branch taken only sometimes); costs a walk "
+                                       "of the autograd graph every step. Without it such a model is refused "
+                                       "before the first step, naming the parameters", group="distributed")
     gradient_as_bucket_view: bool = opt(True, "gradients alias DDP's buckets (saves a copy and memory)",
                                         group="distributed")
     control_interval: int = opt(10, "agree on preemption and timed saves every N steps (one tiny CPU "
@@ -198,6 +202,22 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def lr_scaling_warning(self, global_batch_size: int) -> str | None:
+        """The warning that --lr was tuned for another global batch, or None where it is not actionable.
+
+        Only a run that chose its own --lr or --base_batch_size gets it: the defaults (lr 0.01 for a global
+        batch of 256) describe no model's tuning, so an ordinary default run would be warned about nothing
+        it decided. None as well under --scale_lr, or at the base batch.
+        """
+        defaults = TrainConfig.__dataclass_fields__
+        chosen = self.lr != defaults["lr"].default or self.base_batch_size != defaults["base_batch_size"].default
+        if self.scale_lr or global_batch_size == self.base_batch_size or not chosen:
+            return None
+        factor = global_batch_size / self.base_batch_size
+        return (f"global batch {global_batch_size} differs from --base_batch_size {self.base_batch_size}, the batch "
+                f"--lr {self.lr:g} was tuned for: the linear scaling rule (--scale_lr) would train at lr "
+                f"{self.lr * factor:g} (x{factor:g}); training at {self.lr:g}")
+
     def validate(self) -> None:
         """Check every field and the combinations; raise UsageError naming the flag and the fix.
 
@@ -217,8 +237,11 @@ class TrainConfig:
         if self.backend == "nccl" and not _cuda_available():
             raise UsageError("--backend nccl needs CUDA devices; use --backend gloo (or auto) on CPU")
         if self.sync_batchnorm and (self.backend == "gloo" or not _cuda_available()):
-            raise UsageError("--sync_batchnorm needs CUDA (torch's SyncBatchNorm runs on CUDA only); "
-                             "drop the flag for CPU runs")
+            # torch's SyncBatchNorm syncs on CUDA, XPU, HPU and PrivateUse1 devices; of these, ddptrain
+            # trains on CUDA (nccl). Anywhere else its forward would raise at the first step.
+            raise UsageError("--sync_batchnorm needs a device torch's SyncBatchNorm supports (CUDA, XPU, HPU or a "
+                             "PrivateUse1 backend; ddptrain runs it on CUDA with nccl), not CPU/gloo: drop it, or "
+                             "use --norm group for statistics that do not depend on the split")
         if self.channels_last and not _cuda_available():
             # Measured on this fleet's CPU build: oneDNN's channels_last backward of some strided 1x1 convs
             # returns wrong gradients or crashes (uxlfoundation/oneDNN#6035). Silent wrong training is the
@@ -229,6 +252,8 @@ class TrainConfig:
             for flag, value, why in (("amp_dtype fp16", self.use_amp and self.amp_dtype == "fp16",
                                       "use --amp_dtype bf16 (FSDP's policy: bf16 compute, fp32 reduction)"),
                                      ("static_graph", self.static_graph, "it is a DDP setting; drop it"),
+                                     ("find_unused_parameters", self.find_unused_parameters,
+                                      "it is a DDP setting; drop it"),
                                      ("sync_batchnorm", self.sync_batchnorm, "it is a DDP setting; drop it")):
                 if value:
                     raise UsageError(f"--{flag} does not apply to --strategy {self.strategy}: {why}")

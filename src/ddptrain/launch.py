@@ -155,7 +155,8 @@ def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float,
         return EXIT_USAGE
     rank, failure = _root_cause(exc)
     message = _failure_text(failure)
-    message = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}"
+    # The first line says what went wrong: torch's longer messages (DDP's) end with advice and details.
+    message = message.strip().splitlines()[0] if message.strip() else f"exit code {failure.exitcode}"
     if failure.exitcode < 0 and not _recorded(failure):
         message = f"killed by signal {-failure.exitcode}"
     host = os.uname().nodename

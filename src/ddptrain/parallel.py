@@ -43,6 +43,7 @@ class DataParallel:
             device = ctx.device
             self.ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
                            bucket_cap_mb=cfg.bucket_cap_mb, static_graph=cfg.static_graph,
+                           find_unused_parameters=cfg.find_unused_parameters,
                            gradient_as_bucket_view=cfg.gradient_as_bucket_view)
             self.model = self.ddp
         if cfg.compile:
@@ -205,9 +206,32 @@ class ShardedParallel:
 
 
 def build_parallel(module: nn.Module, cfg: TrainConfig, ctx: DistributedContext) -> DataParallel | ShardedParallel:
+    warn_unsynced_batchnorm(module, cfg, ctx)
     if cfg.activation_checkpointing:
         recompute_blocks(module, cfg.fsdp_blocks)
     return DataParallel(module, cfg, ctx) if cfg.strategy == "ddp" else ShardedParallel(module, cfg, ctx)
+
+
+def unsynced_batchnorm(module: nn.Module) -> list[str]:
+    """The BatchNorm layers that normalise a training batch with that batch's own statistics, computed in each
+    process alone: not SyncBatchNorm, and not frozen (a layer put in eval mode uses its running statistics,
+    unless it keeps none)."""
+    return [name for name, sub in module.named_modules()
+            if isinstance(sub, nn.modules.batchnorm._BatchNorm) and not isinstance(sub, nn.SyncBatchNorm)
+            and (sub.training or sub.running_mean is None)]
+
+
+def warn_unsynced_batchnorm(module: nn.Module, cfg: TrainConfig, ctx: DistributedContext) -> None:
+    """Say once, on rank 0, that BatchNorm breaks what every other part keeps: N processes learn what one
+    process learns on the same global batch."""
+    layers = unsynced_batchnorm(module)
+    if ctx.world_size == 1 or not ctx.is_main or not layers:
+        return
+    sync = "--sync_batchnorm (CUDA) shares them, " if cfg.strategy == "ddp" else ""
+    log.warning("the model has %d BatchNorm layers without sync (first: %s): batch statistics are per process "
+                "(batches of %d), so %d processes do not learn exactly what 1 process learns; %s--norm group "
+                "(mini_resnet) or GroupNorm needs none", len(layers), layers[0] or "the model itself",
+                cfg.batch_size, ctx.world_size, sync)
 
 
 def recompute_blocks(module: nn.Module, spec: str) -> None:

@@ -15,6 +15,8 @@ a loader batch comes from one reader). A resumed reader skips its elements up to
 world size and `--num_workers`. The shares depend on S, so a resume with another S is refused (exit 2).
 When a rank's share ends, that rank starts its next epoch (the dataset's `set_epoch(epoch)` is called if it
 has one); ranks never wait for each other on the data, and `--max_steps` ends training.
+
+User docs: docs/tasks.md, section "Iterable datasets" (tests: tests/test_streams.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ddptrain.config import TrainConfig
-from ddptrain.errors import TrainingError, UsageError
+from ddptrain.errors import UsageError
 
 
 STREAM_START = -1  # the element index whose seed a stream's own start-of-epoch draws take
@@ -198,8 +200,7 @@ def stream_batches(loader: DataLoader, shard: StreamShard, position: StreamPosit
                         position.exhausted.add(want)
                         position.turn = position.after(want)
             if not taken and not resumed:  # (a resumed epoch may have had nothing left: saved after its end)
-                raise TrainingError(f"rank {shard.rank}'s share of the iterable dataset yielded no batch of "
-                                    f"--batch_size {loader.batch_size} in epoch {position.epoch}")
+                raise UsageError(_too_short(shard, position, loader.batch_size))
             position.new_epoch(position.epoch + 1)
 
     batches = cycle()
@@ -207,3 +208,13 @@ def stream_batches(loader: DataLoader, shard: StreamShard, position: StreamPosit
         yield batches
     finally:
         batches.close()
+
+
+def _too_short(shard: StreamShard, position: StreamPosition, batch_size: int) -> str:
+    """Why a rank's share of an epoch gave no batch; the same words on every rank that finds it."""
+    readers, per_rank = position.readers, position.per_rank
+    return (f"the iterable dataset {type(shard.dataset).__name__} is too short for the {readers} readers that share "
+            f"it ({shard.world_size} process(es) x {per_rank} loader worker(s); a process without workers is one "
+            f"reader): each keeps one element in {readers} and drops a last batch short of --batch_size "
+            f"{batch_size}, so an epoch of the stream needs about {readers * batch_size} elements for every rank to "
+            "get a batch; lower --batch_size or --num_workers, use fewer processes, or give the stream more elements")

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -44,6 +45,7 @@ from ddptrain.parallel import build_parallel
 from ddptrain.parts import Parts
 from ddptrain.preempt import PREEMPTED_MARKER, StopSignals
 from ddptrain.trainer_state import rank_state, restore, snapshot
+from ddptrain.sanity import check_first_batch
 from ddptrain.state import MetricWindow, seed_rank_rngs
 from ddptrain.streams import stream_batches
 from ddptrain.tasks import build_task
@@ -89,11 +91,9 @@ class Trainer:
 
         # Optimizer and schedule. The linear scaling rule is opt-in: lr * global batch / base batch.
         self.peak_lr = peak_lr(cfg, self.layout.global_batch_size)
-        if ctx.is_main and not cfg.scale_lr and self.layout.global_batch_size != cfg.base_batch_size:
-            factor = self.layout.global_batch_size / cfg.base_batch_size
-            log.warning("global batch %d differs from --base_batch_size %d, the batch --lr %g was tuned for: the "
-                        "linear scaling rule (--scale_lr) would train at lr %g (x%g); training at %g",
-                        self.layout.global_batch_size, cfg.base_batch_size, cfg.lr, cfg.lr * factor, factor, cfg.lr)
+        lr_warning = cfg.lr_scaling_warning(self.layout.global_batch_size)  # None unless actionable
+        if ctx.is_main and lr_warning:
+            log.warning("%s", lr_warning)
         if parts.optimizer is not None:
             self.optimizer = parts.optimizer(self.params)
         else:
@@ -112,6 +112,9 @@ class Trainer:
                           else parts.scheduler(self.optimizer))
         self.scaler = torch.amp.GradScaler(device.type) if fp16 else None
 
+        # One batch through collate, loss and metrics on every rank: a user's mistake is one line now, not a
+        # traceback at the first step or eval. Before the RNG streams below, which reseed what it drew.
+        check_first_batch(self, parts)
         # Per-rank RNG streams from here on: data order and augmentation never read them.
         seed_rank_rngs(cfg.seed, ctx.rank)
         self.position = Position(step=0, epoch=0, cursor=0, global_batch_size=self.layout.global_batch_size,
@@ -204,7 +207,14 @@ class Trainer:
         self.train_log.finish()  # the line of the log step before this step: its numbers arrived meanwhile
         pos.step += 1
         pos.cursor += self.layout.global_batch_size
-        self.scheduler.step()
+        if pos.step == 1 + self._first_step:
+            # torch warns at a scheduler's first step when the optimizer has not stepped: here, when this run's
+            # first update was skipped as non-finite (logged as such). The schedule advances with the step.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                self.scheduler.step()
+        else:
+            self.scheduler.step()
         self.profiler.step()
         if pos.step == 1 + self._first_step:
             # Tier two: the generous init timeout covered rendezvous and the first step.

@@ -64,15 +64,25 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def task_flops_per_sample(module: nn.Module, task: Any, dataset: Any, device: torch.device) -> float:
-    """`train_flops` of the task's forward on the dataset's first sample; 0.0 (no MFU) if that fails."""
+    """`train_flops` of the task's forward on the dataset's first sample; 0.0 (no MFU) if that fails.
+
+    A stream (IterableDataset) is not counted: reading its first element would start it outside the reader
+    that shards it, so such a run reports no MFU, and says why at debug level only (it is no fault of the run).
+    """
+    from torch.utils.data import IterableDataset
+
     from ddptrain.batch import collate, to_device
 
+    if isinstance(dataset, IterableDataset):
+        log.info("model: %.3g parameters", sum(p.numel() for p in module.parameters()))
+        log.debug("no FLOP count for a stream (IterableDataset): no MFU will be reported")
+        return 0.0
     try:
         batch = to_device(collate([dataset[0]]), device)
         flops = train_flops(module, lambda: task.loss(module, batch))
         log.info("model: %.3g parameters, %.3g training FLOPs per sample",
                  sum(p.numel() for p in module.parameters()), flops)
         return flops
-    except Exception as exc:  # an exotic plug-in model, or a stream without indexing: MFU is a nicety
+    except Exception as exc:  # an exotic plug-in model: MFU is a nicety
         log.warning("FLOP count unavailable (%s: %s); no MFU will be reported", type(exc).__name__, exc)
         return 0.0
