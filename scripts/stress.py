@@ -5,7 +5,8 @@ shows (a fork at the wrong instant, a teardown that never returns, a commit thre
     python scripts/stress.py --runs 10 --seed 3    # another draw of kinds and kill points
 
 Each run is one of the kinds below, drawn in turn; a third of them also SIGKILL one worker at a random step
-and must finish through the launcher's restart (`--max_restarts 1`), resuming from the newest checkpoint.
+and must finish through the launcher's restart (`--max_restarts 1`): the restart resumes from the newest
+checkpoint exactly when the first attempt committed one (a kill before the first commit starts fresh).
 Every run must exit 0 with its final weights written, within --timeout seconds (else: a hang, its process
 tree is killed and the stacks are in the run's logs). Prints one line per run and a summary; exits 1 if any
 run failed or hung. The run dirs of failed runs are kept under --work.
@@ -72,10 +73,31 @@ def run_once(index: int, kind: str, kill: str | None, work: Path, timeout_s: flo
         return "failed", f"exit {proc.returncode}: {last[0]}", seconds
     if not (run_dir / "model.safetensors").is_file():
         return "failed", "exit 0 without model.safetensors", seconds
-    if kill and "resuming from" not in (run_dir / "logs" / "rank-0.log").read_text():
-        return "failed", "a worker was killed, but no restart resumed from a checkpoint", seconds
+    if kill:
+        problem = restart_problem((run_dir / "logs" / "rank-0.log").read_text())
+        if problem:
+            return "failed", problem, seconds
     shutil.rmtree(run_dir)
     return "ok", "", seconds
+
+
+def restart_problem(log: str) -> str | None:
+    """What is wrong with a killed run's restart, read from rank 0's log, or None. The workers must have been
+    started again; the restart resumes from a checkpoint exactly when the first attempt committed one (a kill
+    before the first commit, or during the first async commit, must start fresh)."""
+    attempts = [[]]
+    for line in log.splitlines():
+        if " INFO run dir " in line and attempts[-1]:
+            attempts.append([])
+        attempts[-1].append(line)
+    if len(attempts) < 2:
+        return "a worker was killed, but the workers were not started again"
+    committed = any("checkpoint committed:" in line for line in attempts[0])
+    resumed = any("resuming from" in line for line in attempts[1])
+    if committed != resumed:
+        return ("the first attempt committed a checkpoint, but the restart did not resume from it" if committed
+                else "the restart resumed although the first attempt committed no checkpoint")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
