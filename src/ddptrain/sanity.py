@@ -11,8 +11,9 @@ of tensors. The ranks agree: one rank's finding stops every rank with the same m
 It leaves training as it was. Items are read through `SeededSamples` (the global RNGs put back) from a
 shallow copy of the dataset (what a read opens lazily stays with the copy), a plug-in task is called as a
 shallow copy (a task that counts its calls counts the same), the model's buffers are put back (BatchNorm
-statistics) and its gradients cleared. Its cost: `--batch_size` items, two forwards and, under DDP, one
-backward. A stream (IterableDataset) is not read: only its readers may start it.
+statistics) and its gradients cleared. The model runs in eval mode throughout, so a training-mode forward is
+never spent on it (a model that counts its training forwards counts the same). Its cost: `--batch_size`
+items, two forwards and, under DDP, one backward. A stream (IterableDataset) is not read: only its readers may start it.
 
 `usage_error_of` turns torch's errors that are a user's mistake the first batch cannot see (DDP's unused
 parameters at a later step) into the same kind of one line.
@@ -110,13 +111,16 @@ class _FirstBatch:
                                  "give every item the same structure (the same keys, the same kinds of values)")
 
     def train_loss(self) -> None:
-        """The loss in training mode: its contract and, under DDP, a gradient for every trainable parameter."""
+        """The training call of the task, with the model in eval mode (as a validation sanity check runs it):
+        the loss's contract and, under DDP, a gradient for every trainable parameter. Eval mode keeps the
+        sanity batch off what training-mode forwards change or count (dropout draws, batch statistics, a
+        model's own count of its training steps)."""
         module = self.module
         ddp = getattr(self.trainer.parallel, "ddp", None)
         every_parameter = ddp is not None and not (self.cfg.find_unused_parameters or self.cfg.static_graph)
         buffers = [buffer.detach().clone() for buffer in module.buffers()]
         try:
-            with torch.set_grad_enabled(every_parameter), self.trainer.autocast():
+            with torch.set_grad_enabled(every_parameter), eval_mode(module), self.trainer.autocast():
                 loss = self._loss(self._call())
             if every_parameter:
                 loss.backward()
