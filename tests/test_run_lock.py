@@ -210,7 +210,8 @@ def test_a_sigkilled_job_leaves_no_lock_that_blocks_the_next_run(tmp_path):
     finally:
         stop(job)
     assert json.loads((run_dir / ".lock").read_text())["pid"] == job.proc.pid  # its name stays in the file
-    proc = train(run_dir, *JOB, timeout=240)
+    # The same job again (the gate is gone): another dataset would be another training, refused on resume.
+    proc = train(run_dir, *JOB, *GATED, env={GATE_ENV: f"{gate},,0"}, timeout=240)
     assert f"resuming from {run_dir / 'checkpoints' / 'step-2'}" in (run_dir / "logs" / "rank-0.log").read_text()
     assert proc.returncode == 0 and (run_dir / "model.safetensors").is_file()
     assert json.loads((run_dir / ".lock").read_text())["pid"] != job.proc.pid
