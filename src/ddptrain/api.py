@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.config import TrainConfig, write_resolved
-from ddptrain.errors import Preempted, TrainingError, UsageError
+from ddptrain.errors import Preempted, TrainingError, UsageError, first_line
 from ddptrain.parts import Parts
 
 __all__ = ["fit", "train_worker", "Parts", "WorkerFailed"]
@@ -93,8 +93,7 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
             # The traceback goes once, into this rank's log; the console gets one line per rank (and, from a
             # launcher, one naming the rank that failed first).
             _to_rank_log(log, f"failed at step {step}:\n{traceback.format_exc()}")
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            line = (f"rank {ctx.rank} on host {ctx.host} failed at step {step}: {type(exc).__name__}: {message}"
+            line = (f"rank {ctx.rank} on host {ctx.host} failed at step {step}: {type(exc).__name__}: {first_line(exc)}"
                     f"{netinfo.lost_peers_note(str(exc), ctx.hosts, ctx.addrs, ctx.addr)}")
             sys.stderr.write(f"ddptrain: {line} (traceback in {rank_log_path(run_dir, ctx.rank)})\n")
             record_for_launcher(exc)

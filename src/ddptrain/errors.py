@@ -9,6 +9,13 @@ EXIT_USAGE = 2
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: "try again later" — what a scheduler requeue wants.
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message ('' if it has none): what went wrong, where torch's longer
+    messages go on with advice and details."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 class UsageError(Exception):
     """Bad input from the user: printed as one line on stderr, exit 2, no traceback.
 

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddptrain.config import TrainConfig
-from ddptrain.errors import UsageError
+from ddptrain.errors import UsageError, first_line
 
 PREFIX = "hf:"
 HF_DIR = "hf"  # RUN_DIR/hf: the trained model in the save_pretrained layout
@@ -106,7 +106,7 @@ def build_model(cfg: TrainConfig) -> nn.Module:
         else:  # a directory with weights, or a hub name (downloads where the machine can)
             model = auto.from_pretrained(source, dtype=torch.float32, **labels)
     except OSError as exc:  # not found locally, not on the hub, or offline
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc) or type(exc).__name__
         raise UsageError(f"--model {cfg.model}: cannot load it ({reason}); pass a local directory with a "
                          "config.json, or a hub name on a machine that can download it") from None
     model.config.use_cache = False  # training: no key/value cache in the outputs
@@ -269,7 +269,7 @@ def _read(path: Path, flag: str, cache: Path) -> Any:
         return reader(str(path), cache_dir=str(cache / "raw"))
     except Exception as exc:  # malformed JSON lines, not Parquet: the file is at fault
         raise UsageError(f"{flag} {path}: cannot read it as {path.suffix[1:]} records ({type(exc).__name__}: "
-                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+                         f"{first_line(exc)})") from None
 
 
 def _splits(data: Any) -> tuple[Any, Any]:

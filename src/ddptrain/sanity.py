@@ -34,7 +34,7 @@ from torch import nn
 from ddptrain.batch import to_device
 from ddptrain.data import SeededSamples
 from ddptrain.distributed import DistributedContext
-from ddptrain.errors import TrainingError, UsageError
+from ddptrain.errors import TrainingError, UsageError, first_line
 from ddptrain.models import eval_mode
 from ddptrain.parts import Parts
 from ddptrain.tasks import Classification, LossSum, PluginTask, Regression
@@ -83,7 +83,7 @@ class _FirstBatch:
                 _, batch = collate(pairs)
             except (TypeError, ValueError, RuntimeError) as exc:
                 raise UsageError(f"{self.dataset_name}: items {start}-{start + size - 1} do not stack into a batch "
-                                 f"({type(exc).__name__}: {_first_line(exc)}); give every item the same shapes, or "
+                                 f"({type(exc).__name__}: {first_line(exc)}); give every item the same shapes, or "
                                  "the dataset a collate_fn") from None
         else:
             _, batch = collate(pairs)
@@ -169,7 +169,7 @@ class _FirstBatch:
             name = str(dtype).removeprefix("torch.")
             fix = ".float()" if dtype == torch.float32 else f".to(torch.{name})"
             raise UsageError(f"{self.dataset_name}: the batch holds float64 at {wide[0]}, but {self.model_name}'s "
-                             f"parameters are {name} ({type(exc).__name__}: {_first_line(exc)}); return {name} "
+                             f"parameters are {name} ({type(exc).__name__}: {first_line(exc)}); return {name} "
                              f"from the dataset: {fix} on a tensor (numpy arrays and Python floats become "
                              "float64)") from None
 
@@ -201,7 +201,7 @@ def _agreed(ctx: DistributedContext, check: Callable[[], Any]) -> None:
         found = ("usage", str(exc))
     except Exception as exc:
         error = exc
-        found = ("error", f"{type(exc).__name__}: {_first_line(exc)}")
+        found = ("error", f"{type(exc).__name__}: {first_line(exc)}")
     reports = ctx.all_gather_object(found)
     for kind in ("usage", "error"):
         for rank, report in enumerate(reports):
@@ -274,11 +274,6 @@ def _describe(value: Any) -> str:
         return f"a tensor of shape {tuple(value.shape)}"
     name = type(value).__name__
     return f"an {name}" if name[0] in "aeiouAEIOU" else f"a {name}"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _unused_message(model_name: str, unused: list[str], by: str) -> str:
