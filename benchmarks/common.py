@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ddptrain.procenv import fresh_env
-from ddptrain.tables import format_table
+from ddptrain.parallel.procenv import fresh_env
+from ddptrain.tools.tables import format_table
 
 REPO = Path(__file__).resolve().parents[1]
 

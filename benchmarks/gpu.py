@@ -35,8 +35,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (REPO, BenchError, Launch, Row, bench_env, fmt_ms, load_average, median, paired_ratios,
-                               render_table, run_launch, run_logged, torchrun_cmd)
+from benchmarks.common import (
+    REPO,
+    BenchError,
+    Launch,
+    Row,
+    bench_env,
+    fmt_ms,
+    load_average,
+    median,
+    paired_ratios,
+    render_table,
+    run_launch,
+    run_logged,
+    torchrun_cmd,
+)
 from benchmarks.sections import flag_value, write_token_files
 from ddptrain.observe import perf
 

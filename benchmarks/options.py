@@ -11,7 +11,6 @@ is faster). A default changes only when an option wins clearly on a quiet machin
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import Any
 
 from benchmarks.common import Launch, Plan, Row, median, paired_ratios, quartiles

@@ -103,7 +103,7 @@ class RawLoop:
         self.masked = isinstance(dataset[0], dict)
         collate = None
         if self.masked:
-            from ddptrain.batch import collate
+            from ddptrain.data.batch import collate
         self.world = world
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers,
                                  pin_memory=device.type == "cuda", drop_last=True, collate_fn=collate)
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         print("--data_parallel needs CUDA devices: torch sees none", file=sys.stderr)
         raise SystemExit(2)
 
-    from ddptrain.data import SyntheticImages  # the same network and data as ddptrain trains
+    from ddptrain.data.pipeline import SyntheticImages  # the same network and data as ddptrain trains
     from ddptrain.models import MLP, MiniResNet
 
     cuda = torch.cuda.is_available()

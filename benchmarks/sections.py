@@ -16,11 +16,21 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import (Launch, Plan, Row, bench_env, fmt_ms, median, paired_ratios, quartiles, run_logged,
-                               torchrun_cmd)
+from benchmarks.common import (
+    Launch,
+    Plan,
+    Row,
+    bench_env,
+    fmt_ms,
+    median,
+    paired_ratios,
+    quartiles,
+    run_logged,
+    torchrun_cmd,
+)
 from benchmarks.probe import CPU_KINDS, cpu_ms_per_step
-from ddptrain import plan as scaling_model
-from ddptrain.doctor import bus_bandwidth
+from ddptrain.tools import plan as scaling_model
+from ddptrain.tools.doctor import bus_bandwidth
 
 # The quickstart's network (MiniResNet, width 16, 16x16 images): a real conv net with BatchNorm that steps
 # in tens of ms on one CPU core. Synthetic data large enough that no epoch ends while measuring. (Tiny: width 8,
@@ -75,7 +85,7 @@ def flag_value(flags: list[str], name: str) -> int:
 def write_token_files(directory: Path, num_tokens: int) -> Path:
     """A `--dataset tokens` directory (ddptrain-tokens/1) with one train shard and no eval split: the bytes
     of CPython's pydoc topics (`--dataset pydoc`'s text), repeated to `num_tokens`."""
-    from ddptrain.text import FORMAT, pydoc_tokens
+    from ddptrain.data.text import FORMAT, pydoc_tokens
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "train-00000.bin").write_bytes(np.resize(pydoc_tokens(), num_tokens).astype("<u2").tobytes())

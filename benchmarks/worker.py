@@ -33,17 +33,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.probe import (CommCounter, CommTimer, Interleave, PhaseClock, SaveSchedule, StepProbe, Timeline,
-                              wrap_timed)
+from benchmarks.probe import (
+    CommCounter,
+    CommTimer,
+    Interleave,
+    PhaseClock,
+    SaveSchedule,
+    StepProbe,
+    Timeline,
+    wrap_timed,
+)
 from benchmarks.raw_loop import LOSSES, RawLoop, sync_device
 from ddptrain.config import TrainConfig, resolve_config
-from ddptrain.data import build_datasets
-from ddptrain.distributed import DistributedContext, distributed
+from ddptrain.data.pipeline import build_datasets
+from ddptrain.loop.trainer import Trainer
 from ddptrain.models import build_model
 from ddptrain.observe.log import setup_logging
 from ddptrain.observe.metrics import read_metrics
-from ddptrain.plan import tensor_bytes_in_backward_order
-from ddptrain.trainer import Trainer
+from ddptrain.parallel.distributed import DistributedContext, distributed
+from ddptrain.tools.plan import tensor_bytes_in_backward_order
 
 
 def raw_loop_for(cfg: TrainConfig, ctx: DistributedContext, sync_every_micro_step: bool = False) -> RawLoop:
@@ -124,7 +132,7 @@ def activation_bytes(trainer: Trainer, batches: Any) -> int:
     """Bytes of the tensors autograd keeps for backward across one micro-batch's forward (each storage once):
     the activation memory --activation_checkpointing trades for recomputation. Its own packing hooks run
     inside a checkpointed block, so what is seen here is what outlives the forward."""
-    from ddptrain.batch import to_device
+    from ddptrain.data.batch import to_device
 
     seen: dict[int, int] = {}
 
@@ -263,7 +271,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
 
 
 def _newest_checkpoint_bytes(cfg: TrainConfig) -> int:
-    from ddptrain.checkpoint import committed_steps
+    from ddptrain.checkpoints.format import committed_steps
 
     found = committed_steps(cfg.checkpoint_path)
     return sum(f.stat().st_size for f in found[0][1].iterdir()) if found else 0

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddptrain.data import SyntheticImages
+from ddptrain.data.pipeline import SyntheticImages
 
 HIDDEN_LAYERS = 5
 
@@ -63,7 +63,7 @@ class MaskedText(Dataset):
     uses_global_rng = False
 
     def __init__(self, size: int, seq_len: int, seed: int):
-        from ddptrain.text import pydoc_tokens
+        from ddptrain.data.text import pydoc_tokens
 
         self.tokens = torch.from_numpy(pydoc_tokens().astype("int64"))
         self.size, self.seq_len, self.seed = size, seq_len, seed

@@ -31,6 +31,7 @@ PROMPT, ANSWER = "reverse: ", " =>"
 def train_tokenizer(directory: Path):
     """A 512-token byte-level BPE on pydoc's text, saved as transformers saves tokenizers."""
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

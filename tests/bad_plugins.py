@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from ddptrain.data import SyntheticImages
+from ddptrain.data.pipeline import SyntheticImages
 
 
 def _images(cfg, size: int, offset: int = 0) -> SyntheticImages:

@@ -7,7 +7,7 @@ import time
 import torch
 from torch import nn
 
-from ddptrain.data import SyntheticImages
+from ddptrain.data.pipeline import SyntheticImages
 
 
 class AugmentedImages(SyntheticImages):

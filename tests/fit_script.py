@@ -12,7 +12,7 @@ import json
 import sys
 
 import ddptrain
-from ddptrain.data import SyntheticImages
+from ddptrain.data.pipeline import SyntheticImages
 from ddptrain.errors import TrainingError, UsageError
 
 

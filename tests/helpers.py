@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ddptrain.procenv import fresh_env
+from ddptrain.parallel.procenv import fresh_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,7 +107,7 @@ def assert_restarted(proc: subprocess.CompletedProcess, run_dir: Path, from_step
 
 
 def last_committed(run_dir: Path) -> Path:
-    from ddptrain.checkpoint import committed_steps
+    from ddptrain.checkpoints.format import committed_steps
 
     return committed_steps(run_dir / "checkpoints")[0][1]
 

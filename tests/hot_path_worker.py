@@ -29,8 +29,8 @@ import torch
 
 from benchmarks.probe import StepProbe
 from ddptrain.config import resolve_config
-from ddptrain.distributed import distributed
-from ddptrain.trainer import Trainer
+from ddptrain.loop.trainer import Trainer
+from ddptrain.parallel.distributed import distributed
 
 HOST_READS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__float__", "__int__", "__index__",
               "__format__", "__repr__")
@@ -93,7 +93,7 @@ def trace_zero_grad(trainer: Trainer) -> list[tuple[int, int]]:
 
 
 class DeviceMoves:
-    """The `non_blocking` argument of every Tensor.to that moves a training batch (ddptrain.batch.to_device,
+    """The `non_blocking` argument of every Tensor.to that moves a training batch (ddptrain.data.batch.to_device,
     called from Trainer.train_step) while active."""
 
     def __init__(self) -> None:

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from ddptrain.data import SyntheticImages
+from ddptrain.data.pipeline import SyntheticImages
 
 GATE_ENV = "LOCK_TEST_GATE"
 

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddptrain.data import SyntheticImages
+from ddptrain.data.pipeline import SyntheticImages
 
 # Read by the plug-ins below; the tests set them per run.
 SLOW_RANK_VAR = "DDPTRAIN_TEST_SLOW_RANK"

@@ -13,7 +13,7 @@ import sys
 import torch
 
 import ddptrain
-from ddptrain.data import SyntheticImages
+from ddptrain.data.pipeline import SyntheticImages
 
 
 def main(run_dir: str, fail_at: int | None) -> None:

@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO, TINY, cli_env, run_cli, train
 
 NUM_TRAIN = 250

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import IterableDataset
 
-from ddptrain.data import SyntheticImages
+from ddptrain.data.pipeline import SyntheticImages
 
 
 class ImageStream(IterableDataset):

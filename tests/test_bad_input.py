@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers import TINY, train
 
 # (flags, words the one line must hold: the plug-in, the item or key, the fix)
@@ -126,7 +125,8 @@ def ddp_unused_parameter_error() -> RuntimeError:
 
 def test_ddps_unused_parameter_error_at_a_later_step_is_a_usage_error_naming_them():
     from bad_plugins import WithUnusedHead
-    from ddptrain.sanity import usage_error_of
+
+    from ddptrain.loop.sanity import usage_error_of
 
     cfg = SimpleNamespace(in_channels=3, image_size=8, width=16, num_classes=4)
     usage = usage_error_of(ddp_unused_parameter_error(), WithUnusedHead(cfg), "--model bad_plugins:unused_head")
@@ -137,7 +137,7 @@ def test_ddps_unused_parameter_error_at_a_later_step_is_a_usage_error_naming_the
 
 
 def test_the_launcher_reports_the_first_line_of_a_workers_error(tmp_path, capsys):
-    from ddptrain.launch import _report_failure
+    from ddptrain.parallel.launch import _report_failure
 
     error = ddp_unused_parameter_error()
     message = {"message": f"RuntimeError: {error}", "extraInfo": {"timestamp": "0"}}

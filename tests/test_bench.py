@@ -16,10 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import REPO
 
 from benchmarks.common import Row, paired_ratios, render_table
 from benchmarks.probe import CpuAccount, Interleave, PhaseClock, StepProbe
-from helpers import REPO
 
 SECTION_KEYS = {"overhead", "overhead_observed", "overhead_lm", "accumulation", "checkpoint", "data_synthetic", "data_cifar",
                 "startup", "scaling_miniresnet", "scaling_mlp", "overhead_fsdp", "fsdp_vs_ddp", "fsdp_accumulation"}
@@ -111,9 +111,9 @@ def test_language_model_row_runs_the_lm_task_on_both_sides(tiny_bench):
 
 def test_raw_loop_losses_match_the_lm_task():
     from benchmarks.raw_loop import masked_token_loss_sum, next_token_loss
-    from ddptrain.batch import collate
+    from ddptrain.data.batch import collate
+    from ddptrain.loop.tasks import LanguageModel
     from ddptrain.models import GPT
-    from ddptrain.tasks import LanguageModel
 
     torch.manual_seed(0)
     model, tokens = GPT(32, 8, 16, 1, 2), torch.randint(0, 32, (3, 9))

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO
 
 from benchmarks import gpu
-from helpers import REPO
 
 
 def test_rows_by_gpu_count_in_order_of_importance():

@@ -9,12 +9,13 @@ import json
 import shutil
 from pathlib import Path
 
+import pipeline_runs as runs
 import pytest
 import torch
-
-import pipeline_runs as runs
 from helpers import RunsCode, metrics, one_line_error, plant_hostile, read_jsonl, train, weights
-from ddptrain.checkpoint import MANIFEST, CheckpointError, committed_steps, read_checkpoint
+
+from ddptrain.checkpoints.format import MANIFEST, CheckpointError, committed_steps
+from ddptrain.checkpoints.read import read_checkpoint
 
 
 @pytest.fixture(scope="module")

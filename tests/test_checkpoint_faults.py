@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from helpers import last_committed, metrics, one_line_error, plant_hostile, run_cli, train
 
 SAVES = ["--save_every_steps", "2", "--keep_last", "0", "--epochs", "1"]
@@ -185,7 +184,7 @@ def test_retention_keeps_the_newest_and_survives_a_failed_delete(tmp_path, monke
     # A delete that fails (e.g. a file held open on a network filesystem) is logged, never fatal.
     import logging
 
-    from ddptrain.checkpoint_manager import CheckpointManager
+    from ddptrain.checkpoints.manager import CheckpointManager
 
     manager = CheckpointManager.__new__(CheckpointManager)
     manager.directory, manager.keep_last = tmp_path / "checkpoints", 1

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import pytest
-
 import pipeline_runs as runs
+import pytest
 from helpers import one_line_error, run_cli, train
+
 from ddptrain.config import TrainConfig, build_parser, load_toml, resolve_config, to_toml
 
 # The seed article's flags: each keeps its name and meaning. Values differ from the defaults on purpose.

@@ -12,7 +12,6 @@ import json
 import re
 
 import pytest
-
 from helpers import last_committed, train
 
 JOB = ["--model", "vote_plugins:signalling_mlp", "--dataset_size", "4096", "--save_every", "0",
@@ -59,7 +58,7 @@ def test_a_worker_stopped_by_the_agent_after_a_peer_s_preemption_exit_is_still_a
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from ddptrain.launch import _report_failure
+    from ddptrain.parallel.launch import _report_failure
 
     started = time.time()
     failures = {0: ProcessFailure(local_rank=0, pid=1, exitcode=75, error_file="/nonexistent"),

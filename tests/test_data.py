@@ -11,15 +11,25 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pipeline_runs as runs
 import pytest
 import torch
+from helpers import TINY, cli_env, read_jsonl
 from torch.utils.data import Dataset
 
-import pipeline_runs as runs
-from helpers import TINY, cli_env, read_jsonl
 from ddptrain.config import TrainConfig
-from ddptrain.data import (BackgroundBatches, BatchLayout, GlobalOrderSampler, SeededSamples, ShardedEvalSampler,
-                           SyntheticImages, draws_from_global_rngs, epoch_batches, epoch_order, make_loader)
+from ddptrain.data.pipeline import (
+    BackgroundBatches,
+    BatchLayout,
+    GlobalOrderSampler,
+    SeededSamples,
+    ShardedEvalSampler,
+    SyntheticImages,
+    draws_from_global_rngs,
+    epoch_batches,
+    epoch_order,
+    make_loader,
+)
 from ddptrain.errors import UsageError
 
 
@@ -189,8 +199,8 @@ CLOSE_SCRIPT = """
 import json, multiprocessing, sys
 from pathlib import Path
 from ddptrain.config import resolve_config
-from ddptrain.distributed import distributed
-from ddptrain.trainer import Trainer
+from ddptrain.parallel.distributed import distributed
+from ddptrain.loop.trainer import Trainer
 
 run_dir = Path(sys.argv[1])
 cfg = resolve_config(sys.argv[2:] + ["--run_dir", str(run_dir)])
@@ -252,7 +262,7 @@ def test_background_batches_are_the_loader_s_in_order_and_a_worker_s_error_reach
 def test_loader_workers_fork_only_where_cpython_has_the_fork_fix():
     """CPython gh-112275 (a child forked while another thread makes a thread state hangs) is fixed in 3.11.10
     and 3.12.0: older interpreters start loader workers from a forkserver, newer ones fork them."""
-    from ddptrain.data import fork_is_safe, make_loader
+    from ddptrain.data.pipeline import fork_is_safe, make_loader
 
     assert not fork_is_safe((3, 11, 7)) and not fork_is_safe((3, 11, 9))
     assert fork_is_safe((3, 11, 10)) and fork_is_safe((3, 12, 0)) and fork_is_safe((3, 13, 1))
@@ -271,7 +281,7 @@ def test_loader_workers_start_while_another_thread_runs_collectives(tmp_path):
     to free collectives' tensors: every pass gets its batches, and on a CPython without the fork fix no
     worker is a fork of the trainer. (Plain fork on 3.11.7 hung 1 worker in about 2,400 forks of this
     script, stuck in PyOS_AfterFork_Child: rarely within one run of this test, hence the second check.)"""
-    from ddptrain.data import fork_is_safe
+    from ddptrain.data.pipeline import fork_is_safe
 
     out = tmp_path / "out"
     runs.torchrun([str(Path(__file__).parent / "worker_loader_starts.py"), str(out), "30"], timeout=600)
@@ -286,7 +296,7 @@ def test_a_memory_mapped_array_crosses_to_a_worker_as_its_file_not_its_bytes(tmp
     forkserver starts: they must cross as a file name and offset, not as a copy of the whole file."""
     from multiprocessing.reduction import ForkingPickler
 
-    import ddptrain.data  # noqa: F401  (registers the reducer)
+    import ddptrain.data.pipeline  # noqa: F401  (registers the reducer)
 
     path = tmp_path / "tokens.bin"
     np.arange(1 << 18, dtype=np.uint16).tofile(path)
@@ -318,7 +328,7 @@ def test_a_dataset_a_forkserver_cannot_send_to_its_workers_is_a_usage_error():
 
     from torch.utils.data import DataLoader
 
-    from ddptrain.data import start_pass
+    from ddptrain.data.pipeline import start_pass
 
     loader = DataLoader(_Unpicklable(), batch_size=2, num_workers=1,
                         multiprocessing_context=multiprocessing.get_context("forkserver"))
@@ -329,7 +339,7 @@ def test_a_dataset_a_forkserver_cannot_send_to_its_workers_is_a_usage_error():
 def test_small_tensors_cross_from_a_loader_worker_by_value_and_the_rest_in_shared_memory():
     from multiprocessing.reduction import ForkingPickler
 
-    from ddptrain.data import BY_VALUE_BYTES, by_value
+    from ddptrain.data.pipeline import BY_VALUE_BYTES, by_value
 
     small, labels = torch.arange(12.0).reshape(3, 4), torch.tensor([3, 1, 2])
     big = torch.ones(BY_VALUE_BYTES // 4 + 1)
@@ -357,7 +367,7 @@ class _Mixed(Dataset):
 def test_a_worker_s_batches_equal_the_in_process_ones():
     from torch.utils.data import DataLoader
 
-    from ddptrain.data import collate
+    from ddptrain.data.pipeline import collate
 
     def batches(workers: int) -> list:
         return list(DataLoader(_Mixed(), batch_size=4, collate_fn=collate, num_workers=workers))
@@ -371,7 +381,7 @@ def test_a_worker_s_batches_equal_the_in_process_ones():
 _KILLED_TRAINER = """
 import multiprocessing, os, signal, sys, torch
 from torch.utils.data import DataLoader, Dataset
-from ddptrain.data import collate, worker_init
+from ddptrain.data.pipeline import collate, worker_init
 
 class Big(Dataset):  # defined in the script run as __main__, as a user's own dataset is
     def __len__(self):

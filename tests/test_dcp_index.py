@@ -21,7 +21,6 @@ from typing import Callable
 
 import pytest
 import torch
-
 from helpers import assert_bitwise_equal, one_line_error, run_cli, train, weights
 
 RUN = ["--strategy", "fsdp", "--save_every_steps", "2", "--keep_last", "0", "--epochs", "2"]

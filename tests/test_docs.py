@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from helpers import REPO
+
 from ddptrain import config_table as docs
 from ddptrain.config import TrainConfig
 
@@ -79,8 +80,8 @@ from ddptrain import TrainingError, UsageError, fit, TrainConfig
 import ddptrain.errors
 assert ddptrain.UsageError is ddptrain.errors.UsageError and ddptrain.TrainingError is ddptrain.errors.TrainingError
 assert "torch" not in sys.modules
-import ddptrain.tasks
-assert ddptrain.LossSum is ddptrain.tasks.LossSum and set(ddptrain.__all__) <= set(dir(ddptrain))
+import ddptrain.loop.tasks
+assert ddptrain.LossSum is ddptrain.loop.tasks.LossSum and set(ddptrain.__all__) <= set(dir(ddptrain))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=REPO / "src")

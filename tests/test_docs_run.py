@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO, cli_env
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

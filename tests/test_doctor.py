@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, cli_env, one_line_error, run_cli
 
-from ddptrain import doctor
-from ddptrain.procenv import free_port
+from ddptrain.parallel.procenv import free_port
+from ddptrain.tools import doctor
 
 # Rank 1 as a node with an unshared disk and other code (tests/odd_node/sitecustomize.py does it).
 ODD_RANK_1 = {"PYTHONPATH": os.pathsep.join(str(REPO / d) for d in ("src", "tests", "tests/odd_node")),

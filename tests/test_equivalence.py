@@ -9,15 +9,15 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import pipeline_runs as runs
 import pytest
 import torch
 import torch.nn.functional as F
-
-import pipeline_runs as runs
 from helpers import TINY, assert_close_weights, assert_trained, metrics, train, weights
 from helpers import initial_weights as initial_weights_of
+
 from ddptrain.config import resolve_config
-from ddptrain.data import build_datasets
+from ddptrain.data.pipeline import build_datasets
 from ddptrain.models import build_model
 
 REL_TOL = 1e-6
@@ -92,7 +92,8 @@ def test_batchnorm_at_world_size_2_warns_once_that_2_processes_do_not_equal_1(tm
 
 def test_only_batchnorm_that_normalises_with_batch_statistics_counts_as_unsynced():
     import user_plugins
-    from ddptrain.parallel import unsynced_batchnorm
+
+    from ddptrain.parallel.strategies import unsynced_batchnorm
 
     resnet = build_model(run_config("--model", "mini_resnet", "--norm", "batch"))
     layers = unsynced_batchnorm(resnet)

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-
 from helpers import REPO, cli_env
 
 transformers = pytest.importorskip("transformers")

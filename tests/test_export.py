@@ -10,13 +10,12 @@ import sys
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from helpers import REPO, cli_env, last_committed, weights
 from observed_run import observed_run
+from safetensors import safe_open
 
 from ddptrain import cli
-from ddptrain.checkpoint import read_checkpoint
+from ddptrain.checkpoints.read import read_checkpoint
 
 
 @pytest.fixture(scope="module")

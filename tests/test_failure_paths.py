@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 import pipeline_runs as runs
+import pytest
 from helpers import REPO, TINY, train
 
 JOB = ["--batch_size", "16", "--epochs", "1", "--max_steps", "4"]
@@ -85,14 +84,14 @@ def test_a_worker_killed_while_recording_its_error_leaves_no_half_written_error_
               "def cut(obj, fp, **kw):\n"
               "    fp.write(json.dumps(obj)[:10]); fp.flush(); os._exit(9)\n"
               "json.dump = cut\n"
-              "from ddptrain.observe.watchdog import record_for_launcher\n"
+              "from ddptrain.parallel.watchdog import record_for_launcher\n"
               "record_for_launcher(RuntimeError('boom'))\n")
     env = {"TORCHELASTIC_ERROR_FILE": str(target), "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 9, proc.stderr
     assert not target.exists() or json.loads(target.read_text())
     # Uninterrupted, the file is torch's format, whole.
-    done = subprocess.run([sys.executable, "-c", "from ddptrain.observe.watchdog import record_for_launcher\n"
+    done = subprocess.run([sys.executable, "-c", "from ddptrain.parallel.watchdog import record_for_launcher\n"
                            "record_for_launcher(RuntimeError('boom'))"], env=env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
@@ -103,7 +102,7 @@ def test_the_process_group_setup_never_makes_torch_a_local_name():
     # `import torch.distributed.nn` inside `distributed()` once bound `torch` as a local of the function, so its
     # CUDA lines (`torch.cuda.is_available()` for nccl, `torch.cuda.set_device`) raised UnboundLocalError on
     # every GPU run, a path no CPU run takes.
-    from ddptrain.distributed import distributed
+    from ddptrain.parallel.distributed import distributed
 
     code = distributed.__wrapped__.__code__
     assert "torch" not in code.co_varnames + code.co_cellvars

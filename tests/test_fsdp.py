@@ -18,10 +18,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    REPO,
+    TINY,
+    RunsCode,
+    assert_bitwise_equal,
+    cli_env,
+    metrics,
+    one_line_error,
+    read_jsonl,
+    run_cli,
+    train,
+    weights,
+)
 from safetensors.torch import load_file
-
-from helpers import (REPO, TINY, RunsCode, assert_bitwise_equal, cli_env, metrics, one_line_error, read_jsonl,
-                     run_cli, train, weights)
 
 STEPS = ["--dataset_size", "1024", "--epochs", "4", "--max_steps", "50", "--save_every", "0",
          "--save_every_steps", "10", "--keep_last", "0", "--record_sample_ids", "--grad_clip", "1.0"]
@@ -145,8 +155,8 @@ def test_each_rank_holds_half_of_ddp_state_and_the_metrics_say_so(ddp, fsdp):
 
 
 def shard_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    from ddptrain.checkpoint import read_checkpoint
-    from ddptrain.shards import consolidate
+    from ddptrain.checkpoints.read import read_checkpoint
+    from ddptrain.checkpoints.shards import consolidate
 
     return consolidate(read_checkpoint(checkpoint, torch.device("cpu")))
 
@@ -257,7 +267,7 @@ def copied(fsdp, tmp_path) -> tuple[Path, Path]:
 
 
 def resign(checkpoint: Path, name: str) -> None:
-    from ddptrain.checkpoint import file_digest
+    from ddptrain.checkpoints.format import file_digest
 
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     manifest["files"][name] = file_digest(checkpoint / name)

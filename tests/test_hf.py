@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from helpers import assert_bitwise_equal, assert_close_weights, one_line_error, run_cli, train, weights
 
 transformers = pytest.importorskip("transformers")
@@ -132,7 +131,7 @@ def test_prompt_response_records_tokenize_once_and_train(records, tokenizer_dir,
     assert [p for p in cache.iterdir() if not p.name.startswith(".")], "cached beside the data"
     second = train(tmp_path / "second", *args, timeout=300)
     assert "tokenized" not in second.stdout + second.stderr + (tmp_path / "second" / "logs" / "rank-0.log").read_text()
-    from ddptrain.hf import TokenizedRecords
+    from ddptrain.models.hf import TokenizedRecords
 
     item = TokenizedRecords(next(p for p in cache.iterdir() if not p.name.startswith(".")) / "train", 1)[0]
     assert (item["labels"][:2] == -100).all() and (item["labels"] != -100).any(), "the prompt is masked"

@@ -14,14 +14,14 @@ import sys
 
 import pytest
 import torch
-
 from fault_plugins import AugmentedImages
 from helpers import REPO, TINY, cli_env
-from ddptrain.checkpoint import cpu_copy as _cpu_copy
+
+from ddptrain.checkpoints.format import cpu_copy as _cpu_copy
 from ddptrain.config import resolve_config
-from ddptrain.data import SeededSamples, SyntheticImages, make_loader
+from ddptrain.data.pipeline import SeededSamples, SyntheticImages, make_loader
+from ddptrain.loop.trainer import Trainer, build_optimizer
 from ddptrain.models import MiniResNet
-from ddptrain.trainer import Trainer, build_optimizer
 
 # A conv net with BatchNorm (DDP broadcasts its buffers every forward) and accumulation (no_sync).
 CONV = ["--model", "mini_resnet", "--width", "8", "--batch_size", "8", "--dataset_size", "4096",
@@ -57,7 +57,7 @@ def test_non_log_steps_read_nothing_from_the_device(worker_result):
 def test_no_cuda_sync_in_non_log_steps(tmp_path):
     """torch.cuda.set_sync_debug_mode('error') turns any synchronizing CUDA call into an exception."""
     from benchmarks.probe import StepProbe
-    from ddptrain.distributed import distributed
+    from ddptrain.parallel.distributed import distributed
 
     cfg = resolve_config([*TINY, *CONV, "--backend", "nccl", "--run_dir", str(tmp_path)])
     with distributed("nccl", 60, tmp_path) as ctx:

@@ -8,15 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import metrics, one_line_error, run_cli, train
 from PIL import Image
 
-from helpers import metrics, one_line_error, run_cli, train
-
-from ddptrain import image_datasets
 from ddptrain.config import resolve_config
-from ddptrain.preflight import check_data
-from ddptrain.data import SeededSamples, build_datasets
+from ddptrain.data import images as image_datasets
+from ddptrain.data.pipeline import SeededSamples, build_datasets
 from ddptrain.errors import UsageError
+from ddptrain.preflight import check_data
 
 CIFAR10_MEAN = torch.tensor(image_datasets.CIFAR["cifar10"].mean).view(3, 1, 1)
 CIFAR10_STD = torch.tensor(image_datasets.CIFAR["cifar10"].std).view(3, 1, 1)

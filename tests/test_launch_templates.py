@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, TINY, cli_env, metrics
 
-from ddptrain.procenv import free_port
+from ddptrain.parallel.procenv import free_port
 
 LAUNCH = REPO / "scripts" / "launch.sh"
 SBATCH = REPO / "scripts" / "slurm.sbatch"
@@ -129,7 +129,7 @@ def test_launch_bad_environment_is_one_line(env, names):
 
 
 def test_srun_tasks_without_torchrun_map_slurm_variables():
-    from ddptrain.distributed import read_launch_env
+    from ddptrain.parallel.distributed import read_launch_env
 
     env = read_launch_env({"SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
                            "SLURM_NTASKS_PER_NODE": "2(x2)", "MASTER_ADDR": "node-a", "MASTER_PORT": "29500"})

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from helpers import assert_close_weights, metrics, train, weights
 
 # 256 variable-length sequences (4..24 tokens, a masked prompt of random length), 8 steps of 32 sequences.

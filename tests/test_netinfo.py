@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddptrain import netinfo
+from ddptrain.parallel import netinfo
 
 ADDRS = ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"]
 

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
-
 from helpers import TINY, assert_bitwise_equal, metrics, optimizer_state, run_cli, train, weights
+from safetensors.torch import load_file
 
 STEPS = ["--batch_size", "16", "--epochs", "1", "--save_every", "0", "--save_every_steps", "1", "--keep_last", "0",
          "--momentum", "0.9"]
@@ -87,7 +86,7 @@ BN = ["--model", "mini_resnet", "--width", "4", "--norm", "batch", "--batch_size
 def evaluate_alone(run_dir: Path) -> tuple[float, float]:
     """(loss, accuracy) of RUN_DIR/model.safetensors on the run's eval split, in this one process."""
     from ddptrain.config import resolve_config
-    from ddptrain.data import build_datasets
+    from ddptrain.data.pipeline import build_datasets
     from ddptrain.models import build_model
 
     cfg = resolve_config(["--config", str(run_dir / "config.toml")])

@@ -16,17 +16,16 @@ import time
 
 import pytest
 import torch
-from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
-
 from helpers import REPO, TINY, cli_env, metrics, read_jsonl, train
 from observed_run import observed_run
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from ddptrain import cli
 from ddptrain.models import MiniResNet
 from ddptrain.observe import perf
 from ddptrain.observe.gpu_util import GpuUtilisation, step_breakdown, utilisation_warning
-from ddptrain.procenv import free_port
+from ddptrain.parallel.procenv import free_port
 
 # The metrics.jsonl schema (docs/observability.md): required keys and their JSON types, per split.
 COMMON = {"time": float, "step": int, "epoch": int, "split": str, "loss": float}
@@ -304,10 +303,10 @@ def test_tensorboard_missing_is_a_usage_error_at_the_edge(monkeypatch, capsys, t
 def test_a_log_step_writes_its_line_at_the_next_boundary_and_loses_none(tmp_path):
     """TrainLog.write only starts a line (the gather, or on CUDA the copy to the host); finish writes it. A
     write while a line is pending finishes that one first: every log step gets its line, in order."""
-    from ddptrain.distributed import distributed
+    from ddptrain.loop.state import MetricWindow
+    from ddptrain.loop.train_log import Clock, TrainLog
     from ddptrain.observe.metrics import MetricSinks, ProgressBar
-    from ddptrain.observe.train_log import Clock, TrainLog
-    from ddptrain.state import MetricWindow
+    from ddptrain.parallel.distributed import distributed
 
     cpu = torch.device("cpu")
     with distributed("gloo", 30, tmp_path) as ctx:

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
+from helpers import REPO, assert_bitwise_equal, cli_env, metrics, weights
 
 from ddptrain.config import TrainConfig
+from ddptrain.loop.optim import lr_factor, parameter_groups
 from ddptrain.models import GPT
-from ddptrain.optim import lr_factor, parameter_groups
-from helpers import REPO, assert_bitwise_equal, cli_env, metrics, weights
 
 
 def names_in(groups, module) -> list[set[str]]:

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import one_line_error, run_cli
-from ddptrain import doctor, plan
+
 from ddptrain.config import TrainConfig, to_toml
+from ddptrain.tools import doctor, plan
 
 MIB = 1 << 20
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from helpers import REPO, cli_env, metrics, run_cli, weights
+
 from ddptrain.config import load_toml
 
 CHANCE = 0.1  # 10 classes

@@ -7,10 +7,9 @@ import shutil
 import sys
 
 import pytest
-from PIL import Image
-
 from helpers import one_line_error, run_cli
 from observed_run import observed_run
+from PIL import Image
 
 from ddptrain import cli
 

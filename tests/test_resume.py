@@ -16,9 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from helpers import (TINY, assert_bitwise_equal, cli_env, last_committed, metrics, optimizer_state, train,
-                     weights)
+from helpers import TINY, assert_bitwise_equal, cli_env, last_committed, metrics, optimizer_state, train, weights
 
 JOB = ["--model", "fault_plugins:dropout_mlp", "--dataset", "fault_plugins:augmented_synthetic",
        "--batch_size", "8", "--grad_accum_steps", "2", "--epochs", "2", "--save_every_steps", "3",

@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import torch
-
 from helpers import assert_bitwise_equal, one_line_error, optimizer_state, train, weights
 
 # 16 steps per epoch; checkpoints every 2 steps.
@@ -22,7 +21,7 @@ JOB = ["--batch_size", "16", "--epochs", "1", "--save_every", "0", "--save_every
 
 
 def committed(run_dir: Path) -> list[int]:
-    from ddptrain.checkpoint import committed_steps
+    from ddptrain.checkpoints.format import committed_steps
 
     return sorted(step for step, _ in committed_steps(run_dir / "checkpoints"))
 

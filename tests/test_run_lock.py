@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO, TINY, cli_env, one_line_error, train
 from lock_plugins import GATE_ENV
 
@@ -237,7 +236,7 @@ def test_workers_restarted_by_the_elastic_agent_are_not_refused_by_their_own_lau
 
 
 def test_prepare_step_dir_never_deletes_a_committed_checkpoint_but_clears_a_partial_one(tmp_path):
-    from ddptrain.checkpoint import CheckpointError, prepare_step_dir
+    from ddptrain.checkpoints.format import CheckpointError, prepare_step_dir
 
     committed = tmp_path / "step-3"
     committed.mkdir()

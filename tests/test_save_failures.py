@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import assert_bitwise_equal, last_committed, train, weights
 
 JOB = ["--batch_size", "16", "--epochs", "1", "--max_steps", "4", "--save_every", "0", "--save_every_steps", "2",

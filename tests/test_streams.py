@@ -7,7 +7,6 @@ from collections import defaultdict
 
 import pytest
 import torch
-
 from helpers import assert_bitwise_equal, assert_restarted, metrics, one_line_error, read_jsonl, train, weights
 
 NUM = 203  # elements in the stream: not a multiple of the 4 readers or the batch
@@ -71,7 +70,7 @@ class ShuffledIndices(torch.utils.data.IterableDataset):
 
 def test_a_stream_that_shuffles_as_it_starts_is_read_alike_by_every_reader():
     from ddptrain.config import TrainConfig
-    from ddptrain.streams import StreamShard, stream_loader
+    from ddptrain.data.streams import StreamShard, stream_loader
 
     for rank in (0, 1):  # 2 ranks x 2 loader workers: 4 readers, each must see the same shuffled order
         shard = StreamShard(ShuffledIndices(24), seed=3, rank=rank, world_size=2)

@@ -16,10 +16,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    REPO,
+    TINY,
+    assert_bitwise_equal,
+    assert_close_weights,
+    assert_restarted,
+    assert_trained,
+    cli_env,
+    initial_weights,
+    metrics,
+    read_jsonl,
+    run_cli,
+    train,
+    weights,
+)
 from safetensors.torch import load_file
-
-from helpers import (REPO, TINY, assert_bitwise_equal, assert_close_weights, assert_restarted, assert_trained,
-                     cli_env, initial_weights, metrics, read_jsonl, run_cli, train, weights)
 
 REGRESSION = ["--task", "regression", "--model", "task_plugins:regressor", "--dataset", "task_plugins:regression_data",
               "--width", "8", "--dataset_size", "256", "--eval_size", "64", "--epochs", "2"]
@@ -59,7 +71,7 @@ def test_regression_reports_mse_mae_rmse_and_restarts_bitwise(tmp_path):
 @pytest.fixture(scope="module")
 def token_dir(tmp_path_factory) -> Path:
     """pydoc's first 60k bytes as token files in shards of 7,000 tokens (windows never cross a shard)."""
-    from ddptrain.text import pydoc_tokens
+    from ddptrain.data.text import pydoc_tokens
 
     root = tmp_path_factory.mktemp("tokens")
     (root / "corpus.txt").write_bytes(pydoc_tokens()[:60_000].tobytes())
@@ -79,7 +91,7 @@ def test_prepare_text_writes_shards_that_read_back_as_the_text(token_dir):
 
 def test_token_files_are_read_once_per_epoch_across_ranks_and_workers(tmp_path, token_dir):
     from ddptrain.config import resolve_config
-    from ddptrain.text import build
+    from ddptrain.data.text import build
 
     flags = ["--dataset", "tokens", "--data_dir", str(token_dir), *LM, "--max_steps", "0", "--epochs", "2",
              "--num_workers", "2", "--batch_size", "16", "--record_sample_ids", "--eval_size", "0"]
@@ -113,7 +125,8 @@ DICT_JOB = ["--model", "task_plugins:dict_model", "--dataset", "task_plugins:pai
 
 def test_a_dict_model_and_a_task_of_its_own_train_and_evaluate_exactly(tmp_path):
     import task_plugins
-    from ddptrain.batch import collate
+
+    from ddptrain.data.batch import collate
 
     train(tmp_path, *DICT_JOB, "--record_sample_ids", nproc=2)
     # Training used each sample's weight: step 1's loss is the weighted loss of the initial model on its samples.
@@ -167,7 +180,7 @@ def test_the_char_level_lm_config_learns_well_below_the_unigram_baseline(tmp_pat
     """configs/charlm.toml as docs/tasks.md states it: eval loss 1.64 nats/byte measured; unigram 3.26."""
     import numpy as np
 
-    from ddptrain.text import EVAL_FRACTION, pydoc_tokens
+    from ddptrain.data.text import EVAL_FRACTION, pydoc_tokens
 
     tokens = pydoc_tokens()
     counts = np.bincount(tokens[:int(len(tokens) * (1 - EVAL_FRACTION))], minlength=256)

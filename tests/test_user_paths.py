@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import torch
-
 from helpers import REPO, cli_env, metrics, one_line_error, train, weights
 
 JOB = ["--max_steps", "40", "--dataset_size", "2048", "--epochs", "1", "--save_every", "0"]
@@ -113,7 +112,7 @@ import torch
 from safetensors.torch import save_file
 
 import ddptrain
-from ddptrain.data import SyntheticImages
+from ddptrain.data.pipeline import SyntheticImages
 from ddptrain.models import MLP
 
 if __name__ == "__main__":  # fit(nproc=2) spawns workers that import this file

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-import logging
 import socket
 import threading
 from pathlib import Path
@@ -14,7 +14,7 @@ import pytest
 from helpers import TINY, metrics, train
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from ddptrain.launch import _failure_text, _root_cause
+from ddptrain.parallel.launch import _failure_text, _root_cause
 
 HOST = socket.gethostname()
 
@@ -85,7 +85,7 @@ def test_timeouts_switch_from_init_to_collective_after_the_first_step(tmp_path, 
 
 
 def test_nccl_diagnostics_are_on_by_default_and_user_settings_win(tmp_path, monkeypatch):
-    from ddptrain.distributed import _enable_nccl_diagnostics
+    from ddptrain.parallel.distributed import _enable_nccl_diagnostics
 
     names = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
              "TORCH_FR_DUMP_TEMP_FILE")
@@ -109,7 +109,7 @@ def test_nccl_diagnostics_are_on_by_default_and_user_settings_win(tmp_path, monk
     ([(1, 3, "backward+all-reduce", 4.0)], (3, "data", 4.1), None),
 ])
 def test_furthest_behind_is_the_earliest_step_then_phase(peers, mine, behind):
-    from ddptrain.observe.watchdog import Watchdog
+    from ddptrain.parallel.watchdog import Watchdog
 
     class Ctx:
         rank, host, world_size = 0, "h0", 3
@@ -140,7 +140,7 @@ def test_launcher_names_the_cause_not_the_ranks_that_lost_it(tmp_path):
 
 def test_heartbeat_survives_a_failing_store_and_says_so_once(tmp_path):
     """The store refuses 4 beats, takes 2, refuses 3 more: one warning naming the error, beats go on."""
-    from ddptrain.observe.watchdog import Watchdog
+    from ddptrain.parallel.watchdog import Watchdog
 
     class Ctx:
         rank, host, world_size = 1, "h1", 2

@@ -71,7 +71,7 @@ class DictOnly:
         logits = model(batch["pixels"])
         total = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="sum")
         n = torch.tensor(float(len(batch["labels"])))
-        from ddptrain.tasks import LossSum
+        from ddptrain.loop.tasks import LossSum
 
         return LossSum(total, n), ({} if model.training else {"loss": (total.detach(), n)})
 

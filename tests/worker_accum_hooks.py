@@ -21,8 +21,8 @@ from pathlib import Path
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ddptrain.config import resolve_config
-from ddptrain.distributed import distributed
-from ddptrain.trainer import Trainer
+from ddptrain.loop.trainer import Trainer
+from ddptrain.parallel.distributed import distributed
 
 
 class CountingLoader:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from ddptrain.data import worker_context, worker_init
+from ddptrain.data.pipeline import worker_context, worker_init
 
 BATCH_TIMEOUT_S = 60  # a healthy worker answers in well under a second, a hung one never
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ddptrain.api import WorkerFailed, train_worker
 from ddptrain.config import resolve_config
-from ddptrain.trainer import Trainer
+from ddptrain.loop.trainer import Trainer
 
 
 def os_thread_names() -> list[str]:

@@ -13,7 +13,7 @@ from ddptrain.errors import TrainingError, UsageError  # noqa: E402  (light: no 
 __all__ = ["LossSum", "TrainConfig", "TrainingError", "UsageError", "fit", "__version__"]
 
 # Exports whose modules import torch: loaded on first use, so `import ddptrain` stays cheap.
-_LAZY = {"LossSum": "ddptrain.tasks"}
+_LAZY = {"LossSum": "ddptrain.loop.tasks"}
 
 
 def __getattr__(name: str) -> Any:

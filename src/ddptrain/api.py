@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ddptrain.config import TrainConfig, write_resolved
+from ddptrain.config import TrainConfig
 from ddptrain.errors import Preempted, TrainingError, UsageError, first_line
 from ddptrain.parts import Parts
 
@@ -43,14 +43,15 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
     Raises UsageError and Preempted as they are, and WorkerFailed for anything else after reporting it with
     this rank, its host and the step; the process groups are then aborted rather than destroyed.
     """
-    from ddptrain import netinfo, runlock
-    from ddptrain.checkpoint import refuse_changed_settings
-    from ddptrain.distributed import distributed
-    from ddptrain.launch import LOCAL_LAUNCH_ENV
+    from ddptrain.checkpoints import runlock
+    from ddptrain.checkpoints.format import refuse_changed_settings, write_resolved
+    from ddptrain.loop.sanity import plugin_names, usage_error_of
+    from ddptrain.loop.trainer import Trainer
     from ddptrain.observe.log import rank_log_path, setup_logging
-    from ddptrain.observe.watchdog import record_for_launcher
-    from ddptrain.sanity import plugin_names, usage_error_of
-    from ddptrain.trainer import Trainer
+    from ddptrain.parallel import netinfo
+    from ddptrain.parallel.distributed import distributed
+    from ddptrain.parallel.launch import LOCAL_LAUNCH_ENV
+    from ddptrain.parallel.watchdog import record_for_launcher
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -116,7 +117,7 @@ def _to_rank_log(log: logging.Logger, message: str) -> None:
 
 def as_task(task: Any) -> Any:
     """None (the config's --task), a built-in task's name, or any object with loss(model, batch)."""
-    from ddptrain.tasks import BUILTIN_TASKS, TASK_CLASSES, PluginTask, build_task
+    from ddptrain.loop.tasks import BUILTIN_TASKS, TASK_CLASSES, PluginTask, build_task
 
     if task is None or isinstance(task, TASK_CLASSES):
         return task
@@ -136,7 +137,7 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
     `model`: an nn.Module, or fn(cfg) -> nn.Module (built after seeding, identically on every rank); None
     for the config's --model. `train_data` / `eval_data`: datasets, map-style or iterable, whose items may be
     any nesting of tensors; None for the config's --dataset. `task`: a built-in's name, an object with
-    loss(model, batch) (see ddptrain.tasks), or None for the config's --task. `collate_fn`, `optimizer`,
+    loss(model, batch) (see ddptrain.loop.tasks), or None for the config's --task. `collate_fn`, `optimizer`,
     `scheduler`: see `Parts`. Returns the summary (step, epoch, eval metrics, and `weights`: the path of the final
     RUN_DIR/model.safetensors) in the calling process, or None on ranks other than 0 under torchrun; raises
     UsageError for bad input and TrainingError when training fails.
@@ -161,12 +162,12 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
             cfg.auto_resume = False
     cfg.validate()
-    from ddptrain.preflight import check_data
+    from ddptrain.preflight import check
 
-    check_data(cfg)
+    check(cfg)
     parts = Parts(model, None if train_data is None else (train_data, eval_data), task, collate_fn, optimizer,
                   scheduler)
-    from ddptrain.distributed import read_launch_env
+    from ddptrain.parallel.distributed import read_launch_env
 
     env = read_launch_env()
     weights = Path(cfg.run_dir) / "model.safetensors"
@@ -189,8 +190,8 @@ def _spawn(cfg: TrainConfig, parts: Parts) -> dict[str, Any]:
     the newest committed checkpoint."""
     import torch.multiprocessing as mp
 
-    from ddptrain import runlock
-    from ddptrain.procenv import free_port
+    from ddptrain.checkpoints import runlock
+    from ddptrain.parallel.procenv import free_port
 
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
@@ -219,7 +220,7 @@ def _spawn(cfg: TrainConfig, parts: Parts) -> dict[str, Any]:
 
 def _spawned(rank: int, cfg: TrainConfig, port: int, parts: Parts, results: Any, lock_token: str,
              attempt: int) -> None:
-    from ddptrain.runlock import TOKEN_ENV
+    from ddptrain.checkpoints.runlock import TOKEN_ENV
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.nproc),
                       LOCAL_WORLD_SIZE=str(cfg.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -26,9 +26,9 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="")
         return 0 if argv else EXIT_USAGE
     command, rest = argv[0], argv[1:]
-    handlers = {"train": cmd_train, "doctor": _lazy("ddptrain.doctor"), "report": _lazy("ddptrain.report"),
-                "export": _lazy("ddptrain.export"), "plan": _lazy("ddptrain.plan"),
-                "prepare-text": _lazy("ddptrain.text")}
+    handlers = {"train": cmd_train, "doctor": _lazy("ddptrain.tools.doctor"), "report": _lazy("ddptrain.tools.report"),
+                "export": _lazy("ddptrain.tools.export"), "plan": _lazy("ddptrain.tools.plan"),
+                "prepare-text": _lazy("ddptrain.data.text")}
     if command not in handlers:
         print(f"ddptrain: error: unknown command {command!r}; use one of {', '.join(handlers)}", file=sys.stderr)
         return EXIT_USAGE
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         code = handlers[command](rest)
     except UsageError as exc:
         if os.environ.get("DDPTRAIN_LOCAL_LAUNCH") and os.environ.get("TORCHELASTIC_ERROR_FILE"):  # launch.py
-            from ddptrain.observe.watchdog import record_for_launcher
+            from ddptrain.parallel.watchdog import record_for_launcher
 
             record_for_launcher(exc)  # a worker of `--nproc`: the launcher prints each distinct error once
         else:
@@ -60,11 +60,11 @@ def _lazy(module: str):
 
 def cmd_train(argv: list[str]) -> int:
     from ddptrain.config import resolve_config
-    from ddptrain.preflight import check_data
+    from ddptrain.preflight import check
 
     cfg = resolve_config(argv)
-    check_data(cfg)  # the dataset's files against the flags, still before any process starts
-    from ddptrain.distributed import read_launch_env  # imports torch (~3 s): only after the flags are good
+    check(cfg)  # the dataset's files against the flags, still before any process starts
+    from ddptrain.parallel.distributed import read_launch_env  # imports torch (~3 s): only after the flags are good
 
     env = read_launch_env()
     if env.launched:
@@ -75,10 +75,9 @@ def cmd_train(argv: list[str]) -> int:
                              "(RANK is set); drop --nproc and use the launcher's --nproc-per-node")
         return run_worker(cfg)
     if cfg.nproc:
-        from ddptrain import runlock
-        from ddptrain.checkpoint import refuse_changed_settings
-        from ddptrain.config import write_resolved
-        from ddptrain.launch import LOCAL_LAUNCH_ENV, launch_local, strip_flag
+        from ddptrain.checkpoints import runlock
+        from ddptrain.checkpoints.format import refuse_changed_settings, write_resolved
+        from ddptrain.parallel.launch import LOCAL_LAUNCH_ENV, launch_local, strip_flag
 
         run_dir = Path(cfg.run_dir)
         # The launcher writes config.toml and outlives its workers' restarts: it holds the job's lock, and its

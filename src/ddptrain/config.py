@@ -10,7 +10,6 @@ import argparse
 import dataclasses
 import difflib
 import importlib
-import json
 import math
 import os
 import sys
@@ -221,7 +220,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Check every field and the combinations; raise UsageError naming the flag and the fix.
 
-        The config alone: `preflight.check_data` checks a dataset's files against it.
+        The config alone: `preflight.check` checks files, packages and checkpoints against it.
         """
         for f in fields(self):
             value = getattr(self, f.name)
@@ -270,28 +269,16 @@ class TrainConfig:
         if self.resume_from and not Path(self.resume_from).is_absolute() and not Path(self.resume_from).exists() \
                 and (Path(self.run_dir) / self.resume_from).exists():
             self.resume_from = str(Path(self.run_dir) / self.resume_from)  # `checkpoints/step-N` of the run dir
-        if self.resume_from and not Path(self.resume_from).is_dir():
-            from ddptrain.checkpoint import continues_line  # a restart may find it purged, its line continued
-
-            if not continues_line(self.checkpoint_path, self.resume_from):
-                raise UsageError(f"--resume_from {self.resume_from}: no such directory; pass a checkpoints/step-N dir")
         if self.enable_profiling and self.profile_active < 1:
             raise UsageError("--profile_active must be >= 1")
         _check_inject_fault(self.inject_fault)
-        if self.tensorboard:
-            from ddptrain.observe.metrics import require_tensorboard
-
-            require_tensorboard()
         if self.model == "gpt" and self.width % self.num_heads:
             raise UsageError(f"--width {self.width} must be a multiple of --num_heads {self.num_heads} for --model gpt")
         for flag, builtins in (("task", BUILTIN_TASKS), ("model", BUILTIN_MODELS), ("dataset", BUILTIN_DATASETS)):
             name = getattr(self, flag)
             if flag != "task" and name.startswith("hf:"):
-                from ddptrain import hf  # a name, a file or a directory: checked by preflight and the builders
-
-                if flag == "model":
-                    hf.check_model(self)
-            elif ":" in name:
+                continue  # a name, a file or a directory: checked by preflight and the builders
+            if ":" in name:
                 load_plugin(name, f"--{flag}")
             elif name not in builtins:
                 raise UsageError(f"--{flag} {name!r}: not a built-in ({', '.join(builtins)}) nor a 'pkg.mod:fn' "
@@ -413,21 +400,6 @@ def to_toml(cfg: TrainConfig) -> str:
     lines = ["# Resolved ddptrain config (defaults < --config file < command line)."]
     lines += [f"{f.name} = {toml_value(getattr(cfg, f.name))}" for f in fields(cfg)]
     return "\n".join(lines) + "\n"
-
-
-def write_resolved(cfg: TrainConfig, run_dir: Path) -> Path:
-    """RUN_DIR/config.toml, the resolved config, written atomically; once per run, by one process, after the
-    resume check: a run that goes on from a checkpoint with changed training settings (--accept_config_change)
-    keeps the config those weights were trained with as config-until-step-N.toml."""
-    from ddptrain.checkpoint import resume_changes, write_atomic
-
-    path = run_dir / "config.toml"
-    checkpoint, changes = resume_changes(cfg)
-    if changes and path.is_file():
-        step = json.loads((checkpoint / "manifest.json").read_text())["step"]
-        path.replace(run_dir / f"config-until-step-{step}.toml")
-    write_atomic(path, to_toml(cfg).encode())
-    return path
 
 
 # --- command line --------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ if os.environ.get("RANK") is not None and os.environ.get("RANK") == os.environ.g
     import tempfile
     from pathlib import Path
 
-    from ddptrain import doctor
+    from ddptrain.tools import doctor
 
     _probe_shared_run_dir = doctor._probe_run_dir
 

@@ -1,1 +1,6 @@
-"""Observability: rank-aware logging, metric sinks, throughput and MFU, profiler, watchdog."""
+"""Observability: rank-aware log files, metric sinks (JSONL, TensorBoard, the progress bar), throughput and MFU,
+the profiler, GPU utilisation.
+
+May import: the contracts at the top, `models` and `data.batch` (counting a batch's FLOPs). Never the loop,
+parallel or checkpoints.
+"""

@@ -71,7 +71,7 @@ def task_flops_per_sample(module: nn.Module, task: Any, dataset: Any, device: to
     """
     from torch.utils.data import IterableDataset
 
-    from ddptrain.batch import collate, to_device
+    from ddptrain.data.batch import collate, to_device
 
     if isinstance(dataset, IterableDataset):
         log.info("model: %.3g parameters", sum(p.numel() for p in module.parameters()))

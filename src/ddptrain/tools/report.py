@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ddptrain.cliargs import ArgParser
 from ddptrain.errors import UsageError
 from ddptrain.observe.metrics import read_metrics
-from ddptrain.tables import format_table
+from ddptrain.tools.tables import format_table
 
 STEP_PARTS = (("data_wait_s", "waiting for data"), ("fwd_bwd_s", "forward + backward"),
               ("optimizer_s", "optimizer"))

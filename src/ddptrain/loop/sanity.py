@@ -31,13 +31,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ddptrain.batch import to_device
-from ddptrain.data import SeededSamples
-from ddptrain.distributed import DistributedContext
+from ddptrain.data.batch import to_device
+from ddptrain.data.pipeline import SeededSamples
 from ddptrain.errors import TrainingError, UsageError, first_line
+from ddptrain.loop.tasks import Classification, LossSum, PluginTask, Regression
 from ddptrain.models import eval_mode
+from ddptrain.parallel.distributed import DistributedContext
 from ddptrain.parts import Parts
-from ddptrain.tasks import Classification, LossSum, PluginTask, Regression
 
 __all__ = ["check_first_batch", "plugin_names", "usage_error_of"]
 log = logging.getLogger("ddptrain")

@@ -9,10 +9,10 @@ from typing import Any, Callable
 from torch.utils.data import DataLoader, IterableDataset
 
 from ddptrain.config import TrainConfig
-from ddptrain.data import BatchLayout, GlobalOrderSampler, ShardedEvalSampler, make_loader, mix_seed
-from ddptrain.distributed import DistributedContext
+from ddptrain.data.pipeline import BatchLayout, GlobalOrderSampler, ShardedEvalSampler, make_loader, mix_seed
+from ddptrain.data.streams import StreamPosition, StreamShard, readers_per_rank, stream_loader
 from ddptrain.errors import UsageError
-from ddptrain.streams import StreamPosition, StreamShard, readers_per_rank, stream_loader
+from ddptrain.parallel.distributed import DistributedContext
 
 
 @dataclass

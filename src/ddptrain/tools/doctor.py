@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ddptrain.cliargs import ArgParser
 from ddptrain.errors import EXIT_FAILURE, EXIT_OK, UsageError
-from ddptrain.tables import format_table
+from ddptrain.tools.tables import format_table
 
 VERDICT_VAR = "DDPTRAIN_DOCTOR_VERDICT"  # set by `--nproc`: rank 0 writes the problems there
 SWEEP_MIN_BYTES = 1 << 10
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.nproc < 0 or args.iters < 1 or args.max_mb <= 0 or args.timeout_s <= 0:
         raise UsageError("--nproc must be >= 0, --iters >= 1, --max_mb and --timeout_s > 0")
-    from ddptrain.distributed import read_launch_env
+    from ddptrain.parallel.distributed import read_launch_env
 
     if args.nproc:
         if read_launch_env().launched:
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
 
 def _launch(argv: list[str], args: argparse.Namespace) -> int:
     """`--nproc N`: the workers report to a verdict file, so that a problem is exit 1, not a crash report."""
-    from ddptrain.launch import launch_local, strip_flag
+    from ddptrain.parallel.launch import launch_local, strip_flag
 
     verdict = Path(tempfile.gettempdir()) / f"ddptrain-doctor-{uuid.uuid4().hex}.json"
     os.environ[VERDICT_VAR] = str(verdict)
@@ -116,7 +116,7 @@ def check(args: argparse.Namespace) -> int:
     import torch
 
     import ddptrain
-    from ddptrain.distributed import distributed
+    from ddptrain.parallel.distributed import distributed
 
     started = time.perf_counter()
     scratch = Path(tempfile.gettempdir()) / "ddptrain-doctor"  # NCCL flight-recorder dumps, never the run dir

@@ -16,8 +16,8 @@ import time
 import uuid
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE

@@ -10,7 +10,7 @@ Layout of one checkpoint, ``checkpoints/step-<N>/``::
 
 Rank 0 writes every file (DDP keeps model and optimizer identical on all ranks; the other ranks' RNG
 states are gathered to it), so the commit is one rename on one host. All ranks then agree on the outcome
-before anyone moves on: a failure anywhere makes every rank raise the same error (checkpoint_manager.py).
+before anyone moves on: a failure anywhere makes every rank raise the same error (manager.py).
 
 Under --strategy fsdp/hsdp no rank holds the whole model: model and optimizer state are `shards/` (DCP,
 each rank writing its own, see shards.py) instead of model.safetensors and optimizer.pt; the manifest says
@@ -37,6 +37,7 @@ import safetensors.torch
 import torch
 
 import ddptrain
+from ddptrain.config import setting_changes, to_toml
 from ddptrain.errors import UsageError
 from ddptrain.faults import FaultInjector
 
@@ -278,40 +279,6 @@ def _safe_torch_load(data: bytes, name: str, device: torch.device) -> Any:
         raise CheckpointError(f"{name} refused by the safe loader: {why}") from None
 
 
-def read_checkpoint(path: Path, device: torch.device, share: tuple[int, int] = (0, 1)) -> Loaded:
-    """Verify every file against the manifest and deserialize without executing code from the files.
-
-    A sharded checkpoint's tensors stay on disk (`Loaded.shards`); its small files are verified here, and of
-    its shard files the `share` = (rank, world size) part: each rank hashes its share, and the caller
-    agrees on the outcome, so together they verified every byte before any rank reads one.
-    """
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError("no manifest.json: the checkpoint never committed")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"manifest.json is not valid JSON ({exc})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"manifest format {manifest.get('format')!r} is not {FORMAT!r}")
-    files = manifest["files"]
-    if manifest.get("layout", "full") == "sharded":
-        from ddptrain import shards
-
-        return shards.read_verified(path, manifest, share)  # shards.py imports this module
-    for name in ("model.safetensors", "optimizer.pt", "trainer.pt"):
-        if name not in files:
-            raise CheckpointError(f"manifest lists no {name}")
-    blobs = {name: _read_verified(path / name, entry) for name, entry in files.items()}
-    try:
-        model = safetensors.torch.load(blobs["model.safetensors"])
-    except Exception as exc:
-        raise CheckpointError(f"model.safetensors does not parse: {exc}") from None
-    return Loaded(path=path, manifest=manifest, model=model,
-                  optimizer=_safe_torch_load(blobs["optimizer.pt"], "optimizer.pt", device),
-                  trainer=_safe_torch_load(blobs["trainer.pt"], "trainer.pt", torch.device("cpu")))
-
-
 def read_origin(path: Path) -> str | None:
     """The `--resume_from` checkpoint that started the line `path` belongs to ("" for none; None if unreadable)."""
     try:
@@ -330,8 +297,6 @@ def resume_changes(cfg: Any) -> tuple[Path | None, list[str]]:
     """(the checkpoint a start of `cfg` would resume from, the training settings it was saved under that `cfg`
     changes): read from the files alone, before any process writes into the run dir. Auto-resume's newest
     committed checkpoint, or --resume_from's; (None, []) for a fresh start."""
-    from ddptrain.config import setting_changes
-
     newest = committed_steps(cfg.checkpoint_path)
     if cfg.resume_from and Path(cfg.resume_from).is_dir():
         origin = str(Path(cfg.resume_from).resolve())
@@ -360,3 +325,16 @@ def changed_settings_error(path: Path, changes: list[str]) -> str:
     return (f"{path} was trained with other settings ({'; '.join(changes)}): resume with the settings it was "
             "trained with, start fresh with --no-auto_resume or another --run_dir, or pass "
             "--accept_config_change to continue it with the new ones")
+
+
+def write_resolved(cfg: Any, run_dir: Path) -> Path:
+    """RUN_DIR/config.toml, the resolved config, written atomically; once per run, by one process, after the
+    resume check: a run that goes on from a checkpoint with changed training settings (--accept_config_change)
+    keeps the config those weights were trained with as config-until-step-N.toml."""
+    path = run_dir / "config.toml"
+    checkpoint, changes = resume_changes(cfg)
+    if changes and path.is_file():
+        step = json.loads((checkpoint / "manifest.json").read_text())["step"]
+        path.replace(run_dir / f"config-until-step-{step}.toml")
+    write_atomic(path, to_toml(cfg).encode())
+    return path

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ddptrain.checkpoint import (MANIFEST, CheckpointError, committed_steps, read_checkpoint, safetensors_bytes,
-                                 write_atomic)
+from ddptrain.checkpoints.format import MANIFEST, CheckpointError, committed_steps, safetensors_bytes, write_atomic
+from ddptrain.checkpoints.read import read_checkpoint
 from ddptrain.cliargs import ArgParser
 from ddptrain.errors import UsageError
 
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
 
     manifest = loaded.manifest
     if loaded.shards is not None:  # a sharded checkpoint: gathered into whole tensors here
-        from ddptrain.shards import consolidate
+        from ddptrain.checkpoints.shards import consolidate
 
         try:
             weights = consolidate(loaded)
@@ -96,8 +96,8 @@ def main(argv: list[str]) -> int:
 
 def export_hf(config: dict, weights: dict[str, torch.Tensor], checkpoint: Path, out_dir: Path) -> None:
     """The save_pretrained layout of a checkpoint of a transformers model (`--model hf:...`)."""
-    from ddptrain import hf
     from ddptrain.config import TrainConfig
+    from ddptrain.models import hf
 
     cfg = TrainConfig(**{k: v for k, v in config.items() if k in TrainConfig.__dataclass_fields__})
     run_hf_dir = checkpoint.parent.parent / hf.HF_DIR  # the run of a transformers model wrote its config there

@@ -36,14 +36,30 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from ddptrain.checkpoint import (CheckpointError, Loaded, _read_verified, _safe_torch_load, _verify_file,
-                                 file_digest)
+from ddptrain.checkpoints.format import (
+    CheckpointError,
+    Loaded,
+    _read_verified,
+    _safe_torch_load,
+    _verify_file,
+    file_digest,
+)
 
 SHARDS = "shards"
 METADATA = f"{SHARDS}/.metadata"

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ddptrain.data import mix_seed
+from ddptrain.data.pipeline import mix_seed
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

@@ -1,4 +1,10 @@
-"""Built-in models and the factory that also accepts 'pkg.mod:fn' plug-ins."""
+"""Models: the built-in ones, the factory that also accepts 'pkg.mod:fn' plug-ins, and Hugging Face models
+(`hf`: `--model hf:...` and the tokenized `--dataset hf:...` they train on).
+
+`ddptrain.models` is public: a plug-in may use its builders and `eval_mode`.
+
+May import: the contracts at the top (config, errors). Nothing else in ddptrain.
+"""
 
 from __future__ import annotations
 
@@ -143,7 +149,7 @@ class GPT(nn.Module):
 def build_model(cfg: TrainConfig) -> nn.Module:
     """The model named by `--model`. Call with the same seed on every rank (DDP also broadcasts rank 0's)."""
     if cfg.model.startswith("hf:"):
-        from ddptrain import hf
+        from ddptrain.models import hf
 
         return hf.build_model(cfg)
     if ":" in cfg.model:

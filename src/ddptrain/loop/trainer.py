@@ -21,40 +21,39 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ddptrain.batch import to_device
-from ddptrain.checkpoint import Position, changed_settings_error, safetensors_bytes, write_atomic
-from ddptrain.checkpoint_manager import CheckpointManager
+from ddptrain.checkpoints.format import Position, changed_settings_error, safetensors_bytes, write_atomic
+from ddptrain.checkpoints.manager import CheckpointManager
 from ddptrain.config import TrainConfig, setting_changes
-from ddptrain.data import BatchLayout, build_datasets, epoch_batches
-from ddptrain.distributed import DistributedContext, LaggedVote
+from ddptrain.data.batch import to_device
+from ddptrain.data.pipeline import BatchLayout, build_datasets, epoch_batches
+from ddptrain.data.streams import stream_batches
 from ddptrain.errors import Preempted, TrainingError, UsageError
-from ddptrain.evaluator import Evaluator
 from ddptrain.faults import FaultInjector
-from ddptrain import hf
-from ddptrain.loaders import build_loaders
-from ddptrain.models import instantiate
-from ddptrain.normalise import LossNormaliser
+from ddptrain.loop.evaluator import Evaluator
+from ddptrain.loop.loaders import build_loaders
+from ddptrain.loop.normalise import LossNormaliser
+from ddptrain.loop.optim import build_optimizer, build_scheduler, parameter_groups, peak_lr
+from ddptrain.loop.preempt import PREEMPTED_MARKER, StopSignals
+from ddptrain.loop.sanity import check_first_batch
+from ddptrain.loop.state import MetricWindow, seed_rank_rngs
+from ddptrain.loop.tasks import build_task
+from ddptrain.loop.train_log import Clock, TrainLog
+from ddptrain.loop.trainer_state import CheckpointedState
+from ddptrain.models import hf, instantiate
 from ddptrain.observe import perf
 from ddptrain.observe.log import rank_log_path
 from ddptrain.observe.metrics import MetricSinks, ProgressBar
 from ddptrain.observe.profiler import StepProfiler
-from ddptrain.observe.train_log import Clock, TrainLog
-from ddptrain.observe.watchdog import Watchdog
-from ddptrain.optim import build_optimizer, build_scheduler, parameter_groups, peak_lr
-from ddptrain.parallel import build_parallel
+from ddptrain.parallel.distributed import DistributedContext, LaggedVote
+from ddptrain.parallel.strategies import build_parallel
+from ddptrain.parallel.watchdog import Watchdog
 from ddptrain.parts import Parts
-from ddptrain.preempt import PREEMPTED_MARKER, StopSignals
-from ddptrain.trainer_state import rank_state, restore, snapshot
-from ddptrain.sanity import check_first_batch
-from ddptrain.state import MetricWindow, seed_rank_rngs
-from ddptrain.streams import stream_batches
-from ddptrain.tasks import build_task
 
 __all__ = ["Trainer", "build_optimizer"]
 log = logging.getLogger("ddptrain")
 
 
-class Trainer:
+class Trainer(CheckpointedState):
     """One process's part of a job. What `parts` (api.Parts: the Python API's own model, data, task, collate,
     optimizer and schedule) leaves None is what the config names."""
 
@@ -80,7 +79,7 @@ class Trainer:
         if hf.is_transformers(module) and ctx.is_main:
             module.config.save_pretrained(run_dir / hf.HF_DIR)  # what `ddptrain export --hf` rebuilds it from
         fp16 = cfg.use_amp and cfg.amp_dtype == "fp16"
-        # Under fsdp/hsdp, --use_amp is FSDP's mixed-precision policy instead (parallel.py).
+        # Under fsdp/hsdp, --use_amp is FSDP's mixed-precision policy instead (parallel/strategies.py).
         self.autocast = lambda: torch.autocast(device.type, torch.float16 if fp16 else torch.bfloat16,  # noqa: E731
                                                enabled=cfg.use_amp and cfg.strategy == "ddp")
         # Counted before the per-rank RNG streams start: reading a sample may draw augmentation randomness.
@@ -375,7 +374,7 @@ class Trainer:
         if self._sample_log is not None:
             self._sample_log.flush()
         self.parallel.sync_buffers()
-        self.checkpoints.save(Position(**vars(self.position)), lambda: snapshot(self), rank_state(self))
+        self.checkpoints.save(Position(**vars(self.position)), self.snapshot, self.rank_state())
         self._last_save_time = time.monotonic()
 
     def _wait_for_checkpoint(self) -> None:
@@ -401,7 +400,7 @@ class Trainer:
             if changes and self.ctx.is_main:
                 log.warning("continuing %s with changed training settings (--accept_config_change): %s",
                             loaded.path, "; ".join(changes))
-            restore(self, loaded)
+            self.restore(loaded)
         self.checkpoints.start_line(loaded)
 
     # --- metrics ---------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from ddptrain.config import TrainConfig
 from ddptrain.errors import UsageError
 
-
 STREAM_START = -1  # the element index whose seed a stream's own start-of-epoch draws take
 
 
@@ -50,7 +49,7 @@ class StreamShard(IterableDataset):
         self.done: dict[int, int] = {}  # reader -> the largest k already trained on
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
-        from ddptrain.data import mix_seed
+        from ddptrain.data.pipeline import mix_seed
 
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
@@ -90,7 +89,7 @@ class _Reading:
     def __call__(self, seed: int, part: Callable[[], Any]) -> Any:
         from torch.utils.data._utils import worker as worker_state
 
-        from ddptrain.data import seed_global_rngs
+        from ddptrain.data.pipeline import seed_global_rngs
 
         saved = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if self.in_trainer else None
         info, worker_state._worker_info = worker_state._worker_info, None
@@ -150,7 +149,7 @@ class StreamPosition:
 
 def stream_loader(shard: StreamShard, cfg: TrainConfig, device: torch.device, drop_last: bool,
                   seed: int, collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
-    from ddptrain.data import collate_for, worker_context, worker_init
+    from ddptrain.data.pipeline import collate_for, worker_context, worker_init
 
     workers = cfg.num_workers
     return DataLoader(shard, batch_size=cfg.batch_size, drop_last=drop_last,
@@ -173,7 +172,7 @@ def stream_batches(loader: DataLoader, shard: StreamShard, position: StreamPosit
     the turn: the same order in every run, whatever the timing. Each epoch starts the workers anew, with the
     shard's epoch and position of that moment.
     """
-    from ddptrain.data import epoch_batches
+    from ddptrain.data.pipeline import epoch_batches
 
     def cycle() -> Iterator:
         while True:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ddptrain.distributed import DistributedContext
 from ddptrain.errors import EXIT_FAILURE
+from ddptrain.parallel.distributed import DistributedContext
 
 log = logging.getLogger("ddptrain")
 # The order phases follow within one step: of two ranks idle in the same step, the one in the earlier phase

@@ -21,8 +21,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddptrain.config import TrainConfig, load_plugin
-from ddptrain.distributed import DistributedContext
 from ddptrain.errors import TrainingError, UsageError
+from ddptrain.parallel.distributed import DistributedContext
 
 log = logging.getLogger("ddptrain")
 
@@ -239,7 +239,7 @@ def recompute_blocks(module: nn.Module, spec: str) -> None:
     backward (torch.utils.checkpoint, non-reentrant, RNG state preserved: dropout draws the same twice). The
     blocks are the FSDP units (`fsdp_blocks`); a transformers model uses its own gradient checkpointing.
     Applied before DDP or FSDP wraps the model, and without renaming a parameter (checkpoints stay the same)."""
-    from ddptrain import hf
+    from ddptrain.models import hf
 
     if hf.enable_activation_checkpointing(module):
         return

@@ -1,7 +1,7 @@
 """The checkpoint manager: every rank agrees on each save's outcome, one save in flight (async writer),
 retention of the run's own line, and which checkpoint a run resumes from.
 
-Methods marked "all ranks" are collective. The files themselves are checkpoint.py's.
+Methods marked "all ranks" are collective. The files themselves are format.py's.
 """
 
 from __future__ import annotations
@@ -18,13 +18,29 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ddptrain import shards
-from ddptrain.checkpoint import (ABANDONED, MANIFEST, STEP_DIR, CheckpointError, Loaded, Position, Snapshot,
-                                 _torch_bytes, commit, committed_steps, cpu_copy, file_digest, prepare_step_dir,
-                                 read_checkpoint, read_origin, write_atomic, write_checkpoint)
-from ddptrain.distributed import DistributedContext
+from ddptrain.checkpoints import shards
+from ddptrain.checkpoints.format import (
+    ABANDONED,
+    MANIFEST,
+    STEP_DIR,
+    CheckpointError,
+    Loaded,
+    Position,
+    Snapshot,
+    _torch_bytes,
+    commit,
+    committed_steps,
+    cpu_copy,
+    file_digest,
+    prepare_step_dir,
+    read_origin,
+    write_atomic,
+    write_checkpoint,
+)
+from ddptrain.checkpoints.read import read_checkpoint
 from ddptrain.errors import TrainingError, UsageError
 from ddptrain.faults import FaultInjector
+from ddptrain.parallel.distributed import DistributedContext
 
 log = logging.getLogger("ddptrain")
 # DCP raises CheckpointException, a BaseException, on every rank when one rank's part failed; it carries each

@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.batch import to_device
-from ddptrain.data import start_pass
-from ddptrain.distributed import DistributedContext
+from ddptrain.data.batch import to_device
+from ddptrain.data.pipeline import start_pass
 from ddptrain.errors import UsageError
+from ddptrain.loop.tasks import Task, first_tensor
 from ddptrain.models import eval_mode
-from ddptrain.tasks import Task, first_tensor
+from ddptrain.parallel.distributed import DistributedContext
 
 log = logging.getLogger("ddptrain")
 

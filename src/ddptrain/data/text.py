@@ -156,7 +156,7 @@ def _tokens(files: list[str], tokenizer_dir: str) -> tuple[np.ndarray, int, str]
     """(every file's tokens, one after another; the vocabulary size; what made them)."""
     if not tokenizer_dir:
         return np.concatenate([np.frombuffer(Path(n).read_bytes(), dtype=np.uint8) for n in files]), 256, "bytes"
-    from ddptrain import hf
+    from ddptrain.models import hf
 
     tokenizer = hf.load_tokenizer(tokenizer_dir)
     end = [tokenizer.eos_id] if tokenizer.eos_id is not None else []

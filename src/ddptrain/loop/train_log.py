@@ -12,12 +12,12 @@ from typing import Any, Callable
 
 import torch
 
-from ddptrain.distributed import DistributedContext
 from ddptrain.errors import TrainingError
+from ddptrain.loop.state import MetricWindow
 from ddptrain.observe import perf
 from ddptrain.observe.gpu_util import GpuUtilisation, step_breakdown, utilisation_warning
 from ddptrain.observe.metrics import MetricSinks, ProgressBar
-from ddptrain.state import MetricWindow
+from ddptrain.parallel.distributed import DistributedContext
 
 log = logging.getLogger("ddptrain")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib
 import gc
+import importlib
 import logging
 import os
 import socket
@@ -21,8 +21,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ddptrain import netinfo
 from ddptrain.errors import UsageError
+from ddptrain.parallel import netinfo
 
 log = logging.getLogger("ddptrain")
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from ddptrain.batch import _rebuild
-from ddptrain.batch import collate as collate_items
 from ddptrain.config import TEXT_DATASETS, TrainConfig, load_plugin
+from ddptrain.data.batch import _rebuild
+from ddptrain.data.batch import collate as collate_items
 from ddptrain.errors import UsageError
 
 EVAL_EPOCH = -1  # the epoch key of eval samples: no augmentation stream is tied to it
@@ -207,7 +207,7 @@ class ShardedEvalSampler:
 def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
     """(train, eval or None) for `--dataset`: a built-in name, a 'pkg.mod:fn' plug-in or 'hf:PATH' records."""
     if cfg.dataset.startswith("hf:"):
-        from ddptrain import hf
+        from ddptrain.models import hf
 
         return hf.build_datasets(cfg)
     if ":" in cfg.dataset:
@@ -223,12 +223,12 @@ def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
         held_out = SyntheticImages(cfg.eval_size, offset=cfg.dataset_size, **shape) if cfg.eval_size else None
         return train, held_out
     if cfg.dataset in TEXT_DATASETS:
-        from ddptrain import text
+        from ddptrain.data import text
 
         return text.build(cfg)
-    from ddptrain import image_datasets  # file formats: imported only when asked for
+    from ddptrain.data import images  # file formats: imported only when asked for
 
-    return image_datasets.build(cfg)
+    return images.build(cfg)
 
 
 _END = object()
@@ -343,7 +343,7 @@ def epoch_batches(loader: Iterable, background: bool) -> Iterator[Iterator]:
 
 # What every worker imports, once, in the forkserver; loader_server first: it takes the forkserver out of the
 # trainer's signals.
-FORKSERVER_PRELOAD = ["ddptrain.loader_server", "torch", "ddptrain.data"]
+FORKSERVER_PRELOAD = ["ddptrain.data.loader_server", "torch", "ddptrain.data.pipeline"]
 
 
 def fork_is_safe(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:

@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 import torch
 
-from ddptrain.distributed import DistributedContext
 from ddptrain.errors import UsageError
-from ddptrain.tasks import LossSum, Task
+from ddptrain.loop.tasks import LossSum, Task
+from ddptrain.parallel.distributed import DistributedContext
 
 log = logging.getLogger("ddptrain")
 

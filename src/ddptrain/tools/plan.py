@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import argparse
 import re
-import textwrap
 import statistics
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 from ddptrain.cliargs import ArgParser
 from ddptrain.errors import EXIT_OK, UsageError
-from ddptrain.tables import format_table
+from ddptrain.tools.tables import format_table
 
 MIB = 1 << 20
 FIRST_BUCKET_BYTES = MIB  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
@@ -211,7 +211,7 @@ def backward_fraction(fwd_bwd_s: float, step_s: float) -> float:
 
 def compute_from_run(run_dir: Path) -> tuple[float, float | None, int]:
     """(median step seconds, backward fraction or None, gradient bytes) from a finished 1-process run."""
-    from ddptrain.config import load_toml, TrainConfig
+    from ddptrain.config import TrainConfig, load_toml
     from ddptrain.observe.metrics import read_metrics
 
     metrics_path, config_path = run_dir / "metrics.jsonl", run_dir / "config.toml"
@@ -256,7 +256,7 @@ def fsdp_unit_count(cfg) -> int:
     import torch
 
     from ddptrain.models import build_model
-    from ddptrain.parallel import fsdp_blocks
+    from ddptrain.parallel.strategies import fsdp_blocks
 
     with torch.device("meta"):
         model = build_model(cfg)

@@ -1,0 +1,111 @@
+"""What a checkpoint holds of a Trainer, and how a verified checkpoint is put back under what the config
+says now: `CheckpointedState`, the part of the Trainer that speaks to checkpoints."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ddptrain.checkpoints import shards
+from ddptrain.checkpoints.format import Loaded, Position, Snapshot
+from ddptrain.data.pipeline import mix_seed
+from ddptrain.errors import UsageError
+from ddptrain.loop.state import rng_state, seed_rank_rngs, set_rng_state
+
+log = logging.getLogger("ddptrain")
+
+# Settings of how an update is computed, not of what it computes (the strategy chooses fused or foreach).
+_IMPLEMENTATION = ("initial_lr", "foreach", "fused", "capturable", "differentiable")
+
+
+class CheckpointedState:
+    """The Trainer's checkpoint side (a base class of `loop.trainer.Trainer`, which sets every attribute it
+    reads: the model, optimizer, schedule, scaler, position, metric window, stream position, config and
+    process group)."""
+
+    def rank_state(self) -> dict[str, Any]:
+        """What differs between ranks and a checkpoint gathers from each: RNG streams, the unlogged metric window,
+        a stream's position."""
+        state = {**rng_state(self.ctx.device), "window": self.window.state_dict()}
+        if self.stream is not None:
+            state["stream"] = self.stream_position.state_dict()
+        return state
+
+    def snapshot(self) -> Snapshot:
+        """Everything a checkpoint holds: position, model, optimizer, schedule, scaler, config. Rank 0 only, or
+        all ranks when sharded: each then contributes its shards of model and optimizer."""
+        scaler = self.scaler.state_dict() if self.scaler is not None else None
+        trainer = {"scheduler": self.scheduler.state_dict(), "scaler": scaler, "log": self.train_log.state_dict()}
+        position, config = Position(**vars(self.position)), self.cfg.to_dict()
+        if self.parallel.sharded:
+            state, trainer["param_groups"] = shards.state_to_save(self.module, self.optimizer)
+            return Snapshot(position, None, None, trainer, config, shards=state)
+        return Snapshot(position, self.parallel.state_dict(), self.optimizer.state_dict(), trainer, config)
+
+    def restore(self, loaded: Loaded) -> None:
+        """Put `loaded`'s state into the trainer: model, optimizer state under the config's settings, schedule,
+        scaler, metric window, position, this rank's RNG streams and stream position. All ranks."""
+        saved, pos = loaded.position, self.position
+        saved_optimizer = loaded.manifest["config"].get("optimizer", self.cfg.optimizer)
+        if saved_optimizer != self.cfg.optimizer:
+            raise UsageError(f"--optimizer {self.cfg.optimizer}: {loaded.path} holds {saved_optimizer} state; "
+                             f"resume with --optimizer {saved_optimizer}, or start fresh (--no-auto_resume or "
+                             "another --run_dir)")
+        # The config decides the hyperparameters (momentum, betas, weight decay, ...): the checkpoint only
+        # supplies the optimizer's state. A changed value is said once.
+        configured = [{k: v for k, v in group.items() if k not in ("params", "lr")}
+                      for group in self.optimizer.param_groups]
+        shards.load_into(self.module, self.optimizer, loaded, self.parallel.sharded, self.checkpoints.group)
+        self._optimizer_stepped = bool(self.optimizer.state)
+        for group, wanted in zip(self.optimizer.param_groups, configured):
+            changed = {k: (group.get(k), v) for k, v in wanted.items()
+                       if group.get(k) != v and k not in _IMPLEMENTATION}
+            if changed and self.ctx.is_main and group is self.optimizer.param_groups[0]:
+                log.warning("resume: the config overrides the checkpoint's optimizer settings: %s",
+                            ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+            group.update(wanted)
+        self.scheduler.load_state_dict(loaded.trainer["scheduler"])
+        if self._own_schedule:  # the config decides the peak lr; a user's scheduler restores its own state
+            self.scheduler.base_lrs = [self.peak_lr] * len(self.optimizer.param_groups)
+            for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
+                group["lr"] = self.peak_lr * factor(self.scheduler.last_epoch)
+        self.train_log.load_state_dict(loaded.trainer.get("log", {}))
+        if self.scaler is not None and loaded.trainer["scaler"] is not None:
+            self.scaler.load_state_dict(loaded.trainer["scaler"])
+        self._restore_window(loaded.trainer["rng"], saved.world_size)
+        pos.step, pos.epoch, pos.cursor = saved.step, saved.epoch, saved.cursor
+        self._first_step = saved.step
+        self.checkpoints.last_saved_step = saved.step
+        if saved.global_batch_size != pos.global_batch_size:
+            log.warning("global batch changed on resume: %d -> %d; the data order continues at sample %d of "
+                        "epoch %d, but steps are no longer comparable with the original run",
+                        saved.global_batch_size, pos.global_batch_size, saved.cursor, saved.epoch)
+        rngs = loaded.trainer["rng"]
+        saved_stream = rngs[min(self.ctx.rank, len(rngs) - 1)].get("stream")
+        if (saved_stream is None) != (self.stream is None):
+            kinds = ("an IterableDataset", "a map-style dataset")
+            saved_kind, this_kind = (kinds[1], kinds[0]) if saved_stream is None else kinds
+            raise UsageError(f"{loaded.path} was saved from {saved_kind}; this run's is {this_kind}: start fresh "
+                             "(--no-auto_resume or another --run_dir)")
+        if self.stream is not None:
+            self.stream_position.load_state_dict(saved_stream, self.ctx.world_size, self.cfg.num_workers)
+        if saved.world_size == self.ctx.world_size:
+            set_rng_state(rngs[self.ctx.rank], self.ctx.device)
+        else:
+            log.warning("world size changed on resume: %d -> %d; data order continues sample-exactly, per-rank "
+                        "RNG streams (dropout) are reseeded", saved.world_size, self.ctx.world_size)
+            seed_rank_rngs(mix_seed(self.cfg.seed, saved.step), self.ctx.rank)
+
+    def _restore_window(self, ranks: list[dict[str, Any]], saved_world: int) -> None:
+        """Each rank's own unlogged sums; on another world size rank 0 takes them all (the totals stay right)."""
+        windows = [r["window"] for r in ranks if "window" in r]
+        if len(windows) != len(ranks):
+            return  # a checkpoint from before per-rank windows: its one window was rank 0's
+        if saved_world == self.ctx.world_size:
+            self.window.load_state_dict(windows[self.ctx.rank])
+        elif self.ctx.is_main:
+            total = {key: sum(w[key] for w in windows) for key in ("loss", "count", "bad_loss")}
+            total["bad_steps"] = torch.stack([w["bad_steps"] for w in windows]).any(dim=0)
+            self.window.load_state_dict({**total, "steps": windows[0]["steps"]})
