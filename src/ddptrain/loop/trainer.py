@@ -60,10 +60,23 @@ class Trainer(CheckpointedState):
     def __init__(self, cfg: TrainConfig, ctx: DistributedContext, run_dir: Path, parts: Parts | None = None):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         parts = parts or Parts()
-        device = ctx.device
         self.task = parts.task if parts.task is not None else build_task(cfg)
+        train_ds = self._build_data(parts)  # first: its size decides the schedule
+        self._build_model(parts, train_ds)
+        self._build_optimization(parts)
+        # One batch through collate, loss and metrics on every rank: a user's mistake is one line now, not a
+        # traceback at the first step or eval. Before the RNG streams below, which reseed what it drew.
+        check_first_batch(self, parts)
+        # Per-rank RNG streams from here on: data order and augmentation never read them.
+        seed_rank_rngs(cfg.seed, ctx.rank)
+        self.position = Position(step=0, epoch=0, cursor=0, global_batch_size=self.layout.global_batch_size,
+                                 world_size=ctx.world_size)
+        self._build_services()
 
-        # Data first: its size decides the schedule. Global batch = micro batch x world x accumulation.
+    def _build_data(self, parts: Parts) -> Any:
+        """Loaders, sampler or stream for this rank. Global batch = micro batch x world x accumulation.
+        Returns the train dataset."""
+        cfg, ctx = self.cfg, self.ctx
         train_ds, eval_ds = parts.datasets if parts.datasets is not None else build_datasets(cfg)
         self.layout = BatchLayout(cfg.batch_size, ctx.world_size, cfg.grad_accum_steps)
         data = build_loaders(cfg, ctx, self.layout, train_ds, eval_ds, parts.collate_fn)
@@ -72,12 +85,15 @@ class Trainer(CheckpointedState):
         self.num_train, self.steps_per_epoch = data.num_train, data.steps_per_epoch
         # With loader workers on CPU, a thread takes their batches off the training thread (on CUDA, torch's
         # pin-memory thread does). Without workers, reading a sample seeds the global RNGs: no thread then.
-        self._background_batches = device.type == "cpu" and self.train_loader.num_workers > 0
+        self._background_batches = ctx.device.type == "cpu" and self.train_loader.num_workers > 0
+        return train_ds
 
-        # Model: identical init on every rank (DDP would broadcast rank 0's anyway), then the wrapper.
+    def _build_model(self, parts: Parts, train_ds: Any) -> None:
+        """The model, identical on every rank (DDP would broadcast rank 0's anyway), then its strategy's wrapper."""
+        cfg, ctx, device = self.cfg, self.ctx, self.ctx.device
         self.module = module = instantiate(cfg, parts.model, device)
         if hf.is_transformers(module) and ctx.is_main:
-            module.config.save_pretrained(run_dir / hf.HF_DIR)  # what `ddptrain export --hf` rebuilds it from
+            module.config.save_pretrained(self.run_dir / hf.HF_DIR)  # what `ddptrain export --hf` rebuilds it from
         fp16 = cfg.use_amp and cfg.amp_dtype == "fp16"
         # Under fsdp/hsdp, --use_amp is FSDP's mixed-precision policy instead (parallel/strategies.py).
         self.autocast = lambda: torch.autocast(device.type, torch.float16 if fp16 else torch.bfloat16,  # noqa: E731
@@ -88,7 +104,9 @@ class Trainer(CheckpointedState):
         self.model = self.parallel.model
         self.params = [p for p in module.parameters() if p.requires_grad]
 
-        # Optimizer and schedule. The linear scaling rule is opt-in: lr * global batch / base batch.
+    def _build_optimization(self, parts: Parts) -> None:
+        """Optimizer, schedule and fp16 scaler. The linear scaling rule is opt-in: lr * global batch / base batch."""
+        cfg, ctx, module = self.cfg, self.ctx, self.module
         self.peak_lr = peak_lr(cfg, self.layout.global_batch_size)
         lr_warning = cfg.lr_scaling_warning(self.layout.global_batch_size)  # None unless actionable
         if ctx.is_main and lr_warning:
@@ -109,15 +127,13 @@ class Trainer(CheckpointedState):
         self._own_schedule = parts.scheduler is None  # ddptrain's: the config decides its lr on resume
         self.scheduler = (build_scheduler(cfg, self.optimizer, self.peak_lr, self.total_steps) if self._own_schedule
                           else parts.scheduler(self.optimizer))
-        self.scaler = torch.amp.GradScaler(device.type) if fp16 else None
+        fp16 = cfg.use_amp and cfg.amp_dtype == "fp16"
+        self.scaler = torch.amp.GradScaler(ctx.device.type) if fp16 else None
 
-        # One batch through collate, loss and metrics on every rank: a user's mistake is one line now, not a
-        # traceback at the first step or eval. Before the RNG streams below, which reseed what it drew.
-        check_first_batch(self, parts)
-        # Per-rank RNG streams from here on: data order and augmentation never read them.
-        seed_rank_rngs(cfg.seed, ctx.rank)
-        self.position = Position(step=0, epoch=0, cursor=0, global_batch_size=self.layout.global_batch_size,
-                                 world_size=ctx.world_size)
+    def _build_services(self) -> None:
+        """What runs beside the steps: checkpoints, watchdog, profiler, stop signals and the control vote, the
+        metric window, log and sinks, the evaluator, the sample-id record."""
+        cfg, ctx, run_dir, module, device = self.cfg, self.ctx, self.run_dir, self.module, self.ctx.device
         self.injector = FaultInjector(cfg.inject_fault, ctx.rank)
         self.checkpoints = CheckpointManager(ctx, cfg.checkpoint_path, cfg.keep_last, cfg.async_checkpoint,
                                              cfg.checkpoint_timeout_s, self.injector, sharded=self.parallel.sharded)
