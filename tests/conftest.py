@@ -33,6 +33,32 @@ def _hygiene():
     assert not leaked, f"test leaked threads: {leaked}"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--no-processes", action="store_true",
+                     help="skip every test at the moment it would start a process (`make test-fast`)")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_processes(request):
+    """Under --no-processes, starting a process (subprocess, multiprocessing, a fork) skips the test that asks:
+    what is left runs in this one process, in seconds."""
+    if not request.config.getoption("--no-processes"):
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        pytest.skip("starts a process (--no-processes)")
+
+    saved = (subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start, os.fork)
+    subprocess.Popen._execute_child = refuse
+    multiprocessing.process.BaseProcess.start = refuse
+    os.fork = refuse
+    yield
+    subprocess.Popen._execute_child, multiprocessing.process.BaseProcess.start, os.fork = saved
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

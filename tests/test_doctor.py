@@ -92,11 +92,11 @@ def test_code_hash_is_stable_and_short():
 
 def test_code_hash_follows_the_package_sources_not_where_they_lie(tmp_path, monkeypatch):
     """Two copies of the package hash alike; a changed byte, an added or a renamed source does not."""
-    package = Path(doctor.__file__).resolve().parent
+    package = Path(doctor.__file__).resolve().parent.parent
     copies = [shutil.copytree(package, tmp_path / where / "ddptrain") for where in ("a", "b")]
 
     def hash_of(copy: Path) -> str:
-        monkeypatch.setattr(doctor, "__file__", str(copy / "doctor.py"))
+        monkeypatch.setattr(doctor, "__file__", str(copy / "tools" / "doctor.py"))
         return doctor.code_hash()
 
     original = hash_of(copies[0])

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def code_hash() -> str:
     """sha256 (first 12 hex digits) of the installed ddptrain package's sources, by relative path."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # this file is ddptrain/tools/doctor.py
     digest = hashlib.sha256()
     for path in sorted(package.rglob("*.py")):
         digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
