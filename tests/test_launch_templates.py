@@ -129,7 +129,7 @@ def test_launch_bad_environment_is_one_line(env, names):
 
 
 def test_srun_tasks_without_torchrun_map_slurm_variables():
-    from ddptrain.parallel.distributed import read_launch_env
+    from ddptrain.parallel.procenv import read_launch_env
 
     env = read_launch_env({"SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
                            "SLURM_NTASKS_PER_NODE": "2(x2)", "MASTER_ADDR": "node-a", "MASTER_PORT": "29500"})

@@ -64,7 +64,7 @@ def cmd_train(argv: list[str]) -> int:
 
     cfg = resolve_config(argv)
     check(cfg)  # the dataset's files against the flags, still before any process starts
-    from ddptrain.parallel.distributed import read_launch_env  # imports torch (~3 s): only after the flags are good
+    from ddptrain.parallel.procenv import read_launch_env
 
     env = read_launch_env()
     if env.launched:
@@ -75,9 +75,11 @@ def cmd_train(argv: list[str]) -> int:
                              "(RANK is set); drop --nproc and use the launcher's --nproc-per-node")
         return run_worker(cfg)
     if cfg.nproc:
+        from ddptrain.parallel.launch import launch_local, start_worker_server, strip_flag
+
+        start_worker_server(cfg.nproc)  # it imports torch and the trainer while this process imports torch
         from ddptrain.checkpoints import runlock
         from ddptrain.checkpoints.format import refuse_changed_settings, write_resolved
-        from ddptrain.parallel.launch import LOCAL_LAUNCH_ENV, launch_local, strip_flag
 
         run_dir = Path(cfg.run_dir)
         # The launcher writes config.toml and outlives its workers' restarts: it holds the job's lock, and its
@@ -85,7 +87,6 @@ def cmd_train(argv: list[str]) -> int:
         with runlock.acquire(runlock.job_dirs(cfg)) as lock:
             refuse_changed_settings(cfg)
             write_resolved(cfg, run_dir)  # with the launch settings
-            os.environ[LOCAL_LAUNCH_ENV] = "1"
             os.environ[runlock.TOKEN_ENV] = lock.token
             worker_argv = strip_flag(strip_flag(argv, "--nproc"), "--max_restarts")
             try:

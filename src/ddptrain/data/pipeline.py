@@ -341,9 +341,9 @@ def epoch_batches(loader: Iterable, background: bool) -> Iterator[Iterator]:
 
 # --- how loader workers start ----------------------------------------------------------------------
 
-# What every worker imports, once, in the forkserver; loader_server first: it takes the forkserver out of the
+# What every worker imports, once, in the forkserver; parallel.forkserver first: it takes the forkserver out of the
 # trainer's signals.
-FORKSERVER_PRELOAD = ["ddptrain.data.loader_server", "torch", "ddptrain.data.pipeline"]
+FORKSERVER_PRELOAD = ["ddptrain.parallel.forkserver", "torch", "ddptrain.data.pipeline"]
 
 
 def fork_is_safe(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:

@@ -1,29 +1,38 @@
 """`ddptrain train --nproc N`: N local workers through torch.distributed's elastic agent (what torchrun runs).
 
-Each worker is a fresh `python -m ddptrain <command> ...` process with torchrun's environment, so the
-local path and a cluster's `torchrun -m ddptrain train` path execute the same code. On failure the
-agent restarts all workers (`--max_restarts`), and they resume from the newest committed checkpoint.
+Each worker runs `ddptrain <command> ...` (`cli.main`) with torchrun's environment, so the local path and a
+cluster's `torchrun -m ddptrain train` path execute the same code. On failure the agent restarts all workers
+(`--max_restarts`), and they resume from the newest committed checkpoint.
+
+The workers are forked from a forkserver that imported torch and the trainer once (`start_worker_server`),
+not started as fresh interpreters: importing those costs ~3 s of CPU per process, which a launch paid once
+per worker and again at every restart. The launcher starts the forkserver before it imports torch itself,
+so the two imports run side by side. Each worker then takes the shape a fresh one had: a session of its
+own (as torch's subprocess workers), the default signal handlers, the launcher's environment.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
 import time
 import uuid
+from multiprocessing import forkserver
 from pathlib import Path
-
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from typing import TYPE_CHECKING
 
 from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE
 from ddptrain.observe.log import rank_log_path
 
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
 LOCAL_LAUNCH_ENV = "DDPTRAIN_LOCAL_LAUNCH"  # set for workers of `--nproc`: the launcher reports their errors
+LAUNCH_TIME_ENV = "DDPTRAIN_LAUNCH_TIME"  # when `--nproc`'s launcher started: --max_time counts from there
 
 # The agent forwards these to the workers, which checkpoint and exit; SIGUSR1 is SLURM's --signal.
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -42,26 +51,68 @@ def strip_flag(argv: list[str], flag: str) -> list[str]:
     return out
 
 
-def launch_local(command: str, argv: list[str], nproc: int, max_restarts: int, run_dir: Path | None) -> int:
-    """Run `python -m ddptrain <command> argv` on `nproc` local workers; return the job's exit code."""
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-        run_id=f"ddptrain-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # a private store on a free port, like --standalone
-        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
-        signals_to_handle=FORWARDED_SIGNALS,
-        shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "60")),  # grace to checkpoint
-    )
+# What the workers' forkserver imports once: parallel.forkserver first (it leaves the job's signals), then
+# what every worker would import anyway.
+WORKER_PRELOAD = ["ddptrain.parallel.forkserver", "torch", "ddptrain.cli", "ddptrain.api", "ddptrain.loop.trainer"]
+
+
+def start_worker_server(nproc: int) -> None:
+    """Start the forkserver that `launch_local`'s workers fork from; it imports in the background.
+
+    The environment the workers need is set first: the forkserver keeps the one it started with, and torch's
+    OpenMP reads OMP_NUM_THREADS when it loads.
+    """
     # With the agent's store shared across restart rounds, restarted workers can read the previous round's
     # peer addresses and fail to connect (pytorch/pytorch#135712, #167288): give every round a fresh store.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ[LOCAL_LAUNCH_ENV] = "1"
+    os.environ.setdefault(LAUNCH_TIME_ENV, repr(time.time()))
+    multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
+    forkserver.ensure_running()
+
+
+def _worker(command: str, argv: list[str], environ: dict[str, str]) -> None:
+    """One worker of `launch_local`, in a process forked from the forkserver: `ddptrain <command> argv`."""
+    os.setsid()  # as torch starts a subprocess worker: the launcher's terminal signals reach it through the agent
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):  # ignored by the forkserver (parallel.forkserver)
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # The forkserver has the launcher's environment of when it started; what the launcher set since (the run
+    # lock's token) is added, under what the agent set for this worker (its rank, the rendezvous).
+    for key, value in environ.items():
+        os.environ.setdefault(key, value)
+    sys.argv = ["ddptrain", command, *argv]
+    from ddptrain import cli
+
+    code = cli.main([command, *argv])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        sys.exit(code)
+
+
+def launch_local(command: str, argv: list[str], nproc: int, max_restarts: int, run_dir: Path | None) -> int:
+    """Run `ddptrain <command> argv` on `nproc` local workers; return the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    start_worker_server(nproc)  # (already running when the caller started it early)
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        run_id=f"ddptrain-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",  # a private store on a free port, like --standalone
+        max_restarts=max_restarts, monitor_interval=0.1, start_method="forkserver",
+        signals_to_handle=FORWARDED_SIGNALS,
+        shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "60")),  # grace to checkpoint
+    )
     started = time.time()
     if "LOGLEVEL" not in os.environ:  # the user asked for the agent's own logs: keep them all
         quiet_agent_logs()
     try:
-        elastic_launch(config, sys.executable)("-m", "ddptrain", command, *argv)
+        elastic_launch(config, _worker)(command, argv, dict(os.environ))
         return 0
     except ChildFailedError as exc:
         return _report_failure(exc, run_dir, started, command)
@@ -143,7 +194,8 @@ def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float,
         codes = {EXIT_PREEMPTED}
     if codes == {EXIT_PREEMPTED}:
         preempted = _preempted_since(run_dir, started) or {"step": "?"}
-        print(f"ddptrain: preempted: checkpoint of step {preempted['step']} committed; exit {EXIT_PREEMPTED} "
+        why = "time limit " + preempted["signal"] if str(preempted.get("signal")).startswith("--") else "preempted"
+        print(f"ddptrain: {why}: checkpoint of step {preempted['step']} committed; exit {EXIT_PREEMPTED} "
               "(run the same command to resume)", file=sys.stderr)
         return EXIT_PREEMPTED
     if EXIT_USAGE in codes:

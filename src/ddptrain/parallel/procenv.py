@@ -1,10 +1,14 @@
-"""A new job's environment and rendezvous port, for whatever starts ddptrain processes (tests, benchmarks)."""
+"""A process's place in its job, read from its launcher's variables without importing torch; a new job's
+environment and rendezvous port, for whatever starts ddptrain processes (tests, benchmarks)."""
 
 from __future__ import annotations
 
 import os
 import socket
 from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ddptrain.errors import UsageError
 
 # What a launcher (torchrun's elastic agent, SLURM) or ddptrain sets for its workers. A process that inherits
 # them believes it is a worker of that job, so a new job starts without them.
@@ -23,3 +27,48 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class LaunchEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    launched: bool  # False: a bare `python -m ddptrain train` (world 1, no rendezvous)
+
+
+def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
+    """The worker's place in the job, from torchrun's variables (or SLURM's when srun starts workers).
+
+    A half-set environment is a UsageError naming what is missing.
+    """
+    env = os.environ if environ is None else environ
+    present = [v for v in TORCHRUN_VARS if v in env]
+    # srun started one task per device directly (no torchrun): SLURM's variables and MASTER_ADDR/PORT only.
+    srun_tasks = "RANK" not in env and int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env
+    if present and len(present) < len(TORCHRUN_VARS) and not srun_tasks:
+        missing = [v for v in TORCHRUN_VARS if v not in env]
+        raise UsageError(f"launcher environment is half-set: {', '.join(present)} set but {', '.join(missing)} "
+                         "missing; start workers with torchrun / scripts/launch.sh, or unset them")
+    if srun_tasks:
+        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+            raise UsageError("srun started several tasks but MASTER_ADDR/MASTER_PORT are unset; "
+                             "export them (scripts/slurm.sbatch does) or launch through torchrun")
+        return LaunchEnv(rank=int(env["SLURM_PROCID"]), local_rank=int(env.get("SLURM_LOCALID", "0")),
+                         world_size=int(env["SLURM_NTASKS"]),
+                         local_world_size=int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]),
+                         launched=True)
+    if not present:
+        return LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launched=False)
+    try:
+        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+    except ValueError:
+        raise UsageError("RANK, WORLD_SIZE and LOCAL_RANK must be integers") from None
+    if not 0 <= rank < world:
+        raise UsageError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return LaunchEnv(rank=rank, local_rank=local, world_size=world,
+                     local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")), launched=True)

@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.nproc < 0 or args.iters < 1 or args.max_mb <= 0 or args.timeout_s <= 0:
         raise UsageError("--nproc must be >= 0, --iters >= 1, --max_mb and --timeout_s > 0")
-    from ddptrain.parallel.distributed import read_launch_env
+    from ddptrain.parallel.procenv import read_launch_env
 
     if args.nproc:
         if read_launch_env().launched:
