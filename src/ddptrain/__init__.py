@@ -9,8 +9,9 @@ __version__ = "0.1.0"
 from ddptrain.api import fit  # noqa: E402  (light: torch is imported when training starts)
 from ddptrain.config import TrainConfig  # noqa: E402
 from ddptrain.errors import TrainingError, UsageError  # noqa: E402  (light: no torch)
+from ddptrain.loop.callbacks import Callback  # noqa: E402  (light: no torch)
 
-__all__ = ["LossSum", "TrainConfig", "TrainingError", "UsageError", "fit", "__version__"]
+__all__ = ["Callback", "LossSum", "TrainConfig", "TrainingError", "UsageError", "fit", "__version__"]
 
 # Exports whose modules import torch: loaded on first use, so `import ddptrain` stays cheap.
 _LAZY = {"LossSum": "ddptrain.loop.tasks"}

@@ -131,14 +131,14 @@ def as_task(task: Any) -> Any:
 
 def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: Any = None,
         config: TrainConfig | None = None, *, collate_fn: Any = None, optimizer: Any = None, scheduler: Any = None,
-        **overrides: Any) -> dict[str, Any] | None:
+        callbacks: list[Any] | None = None, **overrides: Any) -> dict[str, Any] | None:
     """Train `model` on `train_data`, evaluating on `eval_data`, as `config` (plus keyword overrides) says.
 
     `model`: an nn.Module, or fn(cfg) -> nn.Module (built after seeding, identically on every rank); None
     for the config's --model. `train_data` / `eval_data`: datasets, map-style or iterable, whose items may be
     any nesting of tensors; None for the config's --dataset. `task`: a built-in's name, an object with
     loss(model, batch) (see ddptrain.loop.tasks), or None for the config's --task. `collate_fn`, `optimizer`,
-    `scheduler`: see `Parts`. Returns the summary (step, epoch, eval metrics, and `weights`: the path of the final
+    `scheduler`, `callbacks` (see ddptrain.Callback): see `Parts`. Returns the summary (step, epoch, eval metrics, and `weights`: the path of the final
     RUN_DIR/model.safetensors) in the calling process, or None on ranks other than 0 under torchrun; raises
     UsageError for bad input and TrainingError when training fails.
 
@@ -166,8 +166,8 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
 
     check(cfg)
     parts = Parts(model, None if train_data is None else (train_data, eval_data), task, collate_fn, optimizer,
-                  scheduler)
-    from ddptrain.parallel.distributed import read_launch_env
+                  scheduler, callbacks)
+    from ddptrain.parallel.procenv import read_launch_env
 
     env = read_launch_env()
     weights = Path(cfg.run_dir) / "model.safetensors"

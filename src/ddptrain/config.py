@@ -166,6 +166,23 @@ class TrainConfig:
                             group="checkpoints")
     async_checkpoint: bool = opt(False, "write checkpoints in a background thread", group="checkpoints")
 
+    # --- evaluation, stopping, callbacks ---------------------------------------------------------
+    eval_every_steps: int = opt(0, "also evaluate every N optimizer steps (0 = at each epoch's end only; a stream: "
+                                "at the end only)", min=0, group="evaluation and stopping")
+    early_stop_metric: str = opt("", "stop when this eval metric (loss, accuracy, ...) has not improved for "
+                                 "--early_stop_patience evaluations (empty = off)", group="evaluation and stopping")
+    early_stop_patience: int = opt(3, "early stopping: evaluations without improvement before the stop", min=1,
+                                   group="evaluation and stopping")
+    early_stop_mode: str = opt("min", "early stopping: whether lower or higher values of the metric are better",
+                               choices=("min", "max"), group="evaluation and stopping")
+    early_stop_min_delta: float = opt(0.0, "early stopping: the least change that counts as an improvement",
+                                      min=0.0, group="evaluation and stopping")
+    max_time: str = opt("", "save and exit with code 75 (rerun to continue) once this much wall time has passed "
+                        "since the launch: seconds or [D-]HH:MM:SS, below the scheduler's limit by the time a save "
+                        "takes (empty = no limit)", group="evaluation and stopping")
+    callbacks: str = opt("", "comma-separated plug-ins 'pkg.mod:fn', each fn() -> a callback object "
+                         "(see docs/callbacks.md)", group="evaluation and stopping")
+
     # --- observability --------------------------------------------------------------------------
     log_interval: int = opt(10, "log train metrics every N optimizer steps", min=1, group="observability")
     enable_profiling: bool = opt(False, "record a torch.profiler window and write a trace per rank to "
@@ -272,6 +289,10 @@ class TrainConfig:
         if self.enable_profiling and self.profile_active < 1:
             raise UsageError("--profile_active must be >= 1")
         _check_inject_fault(self.inject_fault)
+        if self.max_time:
+            parse_duration(self.max_time, "--max_time")
+        for ref in filter(None, (r.strip() for r in self.callbacks.split(","))):
+            load_plugin(ref, "--callbacks")
         if self.model == "gpt" and self.width % self.num_heads:
             raise UsageError(f"--width {self.width} must be a multiple of --num_heads {self.num_heads} for --model gpt")
         for flag, builtins in (("task", BUILTIN_TASKS), ("model", BUILTIN_MODELS), ("dataset", BUILTIN_DATASETS)):
@@ -331,6 +352,21 @@ def _check_inject_fault(spec: str) -> None:
         from ddptrain.faults import FaultSpec
 
         FaultSpec.parse(spec, source="--inject_fault")
+
+
+def parse_duration(text: str, flag: str) -> float:
+    """Seconds from "5400", "90:00", "1:30:00" or "2-00:00:00" (SLURM's --time forms with seconds)."""
+    try:
+        days, dash, clock = text.strip().rpartition("-")
+        parts = [float(p) for p in clock.split(":")]
+        if len(parts) > 3 or any(p < 0 for p in parts) or (dash and (not days or len(parts) != 3)):
+            raise ValueError
+        seconds = sum(p * 60 ** i for i, p in enumerate(reversed(parts))) + 86400 * float(days or 0)
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: give seconds (5400) or [D-]HH:MM:SS (1:30:00)") from None
+    if not seconds > 0 or not math.isfinite(seconds):
+        raise UsageError(f"{flag} {text!r}: must be more than 0 seconds")
+    return seconds
 
 
 def load_plugin(ref: str, flag: str) -> Callable:

@@ -14,7 +14,8 @@ class Parts:
     `mp.spawn` rule). `optimizer` is fn(params) -> torch.optim.Optimizer, called with the model's trainable
     parameters once it is wrapped (under fsdp: its sharded parameters); `scheduler` is fn(optimizer) ->
     an LR scheduler, stepped once per optimizer step; both keep their state in checkpoints. `collate_fn`
-    turns a list of items into a batch (default: ddptrain's, which pads token sequences).
+    turns a list of items into a batch (default: ddptrain's, which pads token sequences). `callbacks` are
+    called at the loop's events, before those --callbacks names (see ddptrain.loop.callbacks).
     """
 
     model: Any = None
@@ -23,3 +24,4 @@ class Parts:
     collate_fn: Any = None
     optimizer: Any = None
     scheduler: Any = None
+    callbacks: Any = None

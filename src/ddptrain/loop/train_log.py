@@ -75,6 +75,7 @@ class TrainLog:
         self.max_skipped = max_skipped
         self.skipped_total = 0  # updates skipped (non-finite) in the whole run, restored on resume
         self.skipped_in_a_row = 0
+        self.on_record: Callable[[dict[str, Any]], None] | None = None  # rank 0: each train line's record
         self._streak: dict[int, int] = {}
         self.gpu = GpuUtilisation(ctx.device)
         self._pending: _Pending | None = None
@@ -193,6 +194,8 @@ class TrainLog:
                 f"{samples_per_sec:.1f} samples/s (data wait "
                 f"{100 * record['data_wait_s'] / max(record['step_time_s'], 1e-9):.1f}%)")
         self.sinks.write(record, announce=line)  # logged by the writer thread: the handlers' writes cost ~1 ms
+        if self.on_record is not None:
+            self.on_record(record)
         p.bar.update(step, p.epoch, record["loss"], samples_per_sec)
 
     def _count_skips(self, flags: list[float], window_base: int, where: str) -> None:

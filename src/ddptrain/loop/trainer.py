@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 import warnings
 from pathlib import Path
@@ -23,12 +24,13 @@ from torch import nn
 
 from ddptrain.checkpoints.format import Position, changed_settings_error, safetensors_bytes, write_atomic
 from ddptrain.checkpoints.manager import CheckpointManager
-from ddptrain.config import TrainConfig, setting_changes
+from ddptrain.config import TrainConfig, parse_duration, setting_changes
 from ddptrain.data.batch import to_device
 from ddptrain.data.pipeline import BatchLayout, build_datasets, epoch_batches
 from ddptrain.data.streams import stream_batches
-from ddptrain.errors import Preempted, TrainingError, UsageError
+from ddptrain.errors import EXIT_PREEMPTED, Preempted, TrainingError, UsageError
 from ddptrain.faults import FaultInjector
+from ddptrain.loop.callbacks import Callbacks, EarlyStopping, TrainingRun, load_callbacks
 from ddptrain.loop.evaluator import Evaluator
 from ddptrain.loop.loaders import build_loaders
 from ddptrain.loop.normalise import LossNormaliser
@@ -45,6 +47,7 @@ from ddptrain.observe.log import rank_log_path
 from ddptrain.observe.metrics import MetricSinks, ProgressBar
 from ddptrain.observe.profiler import StepProfiler
 from ddptrain.parallel.distributed import DistributedContext, LaggedVote
+from ddptrain.parallel.launch import LAUNCH_TIME_ENV
 from ddptrain.parallel.strategies import build_parallel
 from ddptrain.parallel.watchdog import Watchdog
 from ddptrain.parts import Parts
@@ -72,6 +75,7 @@ class Trainer(CheckpointedState):
         self.position = Position(step=0, epoch=0, cursor=0, global_batch_size=self.layout.global_batch_size,
                                  world_size=ctx.world_size)
         self._build_services()
+        self._build_callbacks(parts)
 
     def _build_data(self, parts: Parts) -> Any:
         """Loaders, sampler or stream for this rank. Global batch = micro batch x world x accumulation.
@@ -164,6 +168,24 @@ class Trainer(CheckpointedState):
             # after its last checkpoint, which the resumed run trains (and records) again.
             self._sample_log = open(run_dir / "samples" / f"rank-{ctx.rank}.jsonl", "a")
 
+    def _build_callbacks(self, parts: Parts) -> None:
+        """The user's callbacks (`fit`'s, then --callbacks'), then the built-ins the flags ask for; the limit
+        of --max_time; what a stop request needs."""
+        cfg = self.cfg
+        callbacks = [*(parts.callbacks or ()), *load_callbacks(cfg.callbacks)]
+        if cfg.early_stop_metric:
+            callbacks.append(EarlyStopping(cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_mode,
+                                           cfg.early_stop_min_delta))
+        self.callbacks = Callbacks(callbacks)
+        self.run_view = TrainingRun(self)
+        if self.callbacks and self.ctx.is_main:
+            self.train_log.on_record = lambda record: self.callbacks.call("on_log", self.run_view, record)
+        self.stopped: dict[str, Any] | None = None  # {"step", "reason"} once every rank agreed to stop early
+        started = float(os.environ.get(LAUNCH_TIME_ENV) or time.time())
+        self._deadline = started + parse_duration(cfg.max_time, "--max_time") if cfg.max_time else None
+        self._last_eval: dict[str, Any] = {}
+        self._announced_checkpoint = -1
+
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train to the end (epochs or --max_steps), evaluating each epoch and checkpointing as asked.
@@ -172,30 +194,36 @@ class Trainer(CheckpointedState):
         """
         cfg, pos = self.cfg, self.position
         started = time.perf_counter()
-        last_eval: dict[str, Any] = {}
         with self.signals, self.watchdog, self.profiler, self._outputs_closed_at_exit():
             self._resume()
-            if pos.step >= self.total_steps or pos.epoch >= cfg.epochs:
+            if self.stopped is not None:
+                log.info("run stopped early at step %d (%s) in %s; nothing to train (use another --run_dir, or "
+                         "--no-auto_resume to start over)", pos.step, self.stopped["reason"], self.run_dir)
+            elif pos.step >= self.total_steps or pos.epoch >= cfg.epochs:
                 log.info("run already complete at step %d in %s; nothing to train (use another --run_dir, or "
                          "--no-auto_resume to start over)", pos.step, self.run_dir)
+            self.callbacks.call("on_train_start", self.run_view)
+            # The callbacks' state is that of the snapshot, taken before its checkpoint committed: what they
+            # did on hearing of the commit is done again, as in the run that saved it.
+            self._announce_checkpoint()
             bar = ProgressBar(cfg.progress and self.ctx.is_main, self.total_steps, initial=pos.step)
             if self.stream is not None:
                 # A stream has no epochs in common: each rank cycles its own share until --max_steps.
                 with stream_batches(self.train_loader, self.stream, self.stream_position,
                                     self._background_batches) as batches:
-                    while pos.step < self.total_steps:
+                    while self._training():
                         self._step(batches, bar)
             # Each pass of this loop is (the rest of) one epoch: the sampler resumes at the cursor.
-            while self.stream is None and pos.epoch < cfg.epochs and pos.step < self.total_steps:
+            while self.stream is None and pos.epoch < cfg.epochs and self._training():
                 self.sampler.set_position(pos.epoch, pos.cursor)
                 with epoch_batches(self.train_loader, background=self._background_batches) as batches:
-                    while (pos.cursor + self.layout.global_batch_size <= self.num_train
-                           and pos.step < self.total_steps):
+                    while pos.cursor + self.layout.global_batch_size <= self.num_train and self._training():
                         self._step(batches, bar)
-                if pos.step >= self.total_steps and pos.cursor + self.layout.global_batch_size <= self.num_train:
-                    break  # --max_steps ended the run mid-epoch
+                if not self._training() and pos.cursor + self.layout.global_batch_size <= self.num_train:
+                    break  # --max_steps (or a stop) ended the run mid-epoch
                 # The epoch is complete: evaluate, move the cursor to the next epoch, maybe save.
-                last_eval = self.evaluate()
+                if self._last_eval.get("step") != pos.step:
+                    self.evaluate()
                 pos.epoch, pos.cursor = pos.epoch + 1, 0
                 if cfg.save_every and pos.epoch % cfg.save_every == 0:
                     self.save()
@@ -204,8 +232,8 @@ class Trainer(CheckpointedState):
             if self.window.steps:
                 self._log_train(bar)
             self.train_log.finish()
-            if not last_eval or last_eval["step"] != pos.step:
-                last_eval = self.evaluate()
+            if self._last_eval.get("step") != pos.step:
+                self.evaluate()
             self._vote.drain()  # a preemption flag still in flight is moot: the final save follows
             self.watchdog.phase("replica check")
             self.parallel.check_replicas()
@@ -213,7 +241,13 @@ class Trainer(CheckpointedState):
             self._wait_for_checkpoint()
         bar.close()
         self._export_weights()
-        return self._summary(last_eval, time.perf_counter() - started)
+        summary = self._summary(self._last_eval, time.perf_counter() - started)
+        self.callbacks.call("on_train_end", self.run_view, summary)
+        return summary
+
+    def _training(self) -> bool:
+        """Whether another step follows: not at --max_steps (or the epochs' end), no agreed stop."""
+        return self.position.step < self.total_steps and self.stopped is None
 
     def _step(self, batches: Iterator, bar: ProgressBar) -> None:
         """A training step and what follows it at the step boundary: schedule, logging, flags, saves."""
@@ -241,6 +275,9 @@ class Trainer(CheckpointedState):
             self.train_log.write_memory(held, pos.step, pos.epoch, cfg.strategy)
         if pos.step % cfg.log_interval == 0:
             self._log_train(bar)
+        if cfg.eval_every_steps and pos.step % cfg.eval_every_steps == 0:
+            self.evaluate()
+        self.callbacks.call("on_step_end", self.run_view)
         self._between_steps()
 
     # ------------------------------------------------------------------------------------------
@@ -347,14 +384,17 @@ class Trainer(CheckpointedState):
         self.watchdog.phase("eval")
         self.parallel.sync_buffers()
         result = self.evaluator.evaluate(self.module, heartbeat=lambda: self.watchdog.phase("eval"))
-        if not result:
-            return {}
         pos = self.position
+        if not result:
+            self._last_eval = {"step": pos.step}  # no eval set: nothing to evaluate at this step either
+            return {}
         shown = " ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float) and k != "tokens_per_sec")
         log.info("eval  step %d epoch %d: %s (%d samples)", pos.step, pos.epoch, shown, result["samples"])
         if self.sinks is not None:
             self.sinks.write({"time": time.time(), "step": pos.step, "epoch": pos.epoch, "split": "eval", **result})
-        return {"step": pos.step, **result}
+        self._last_eval = {"step": pos.step, **result}
+        self.callbacks.call("on_eval", self.run_view, result)
+        return self._last_eval
 
     # --- between steps: control flags, saves -----------------------------------------------------
     def _between_steps(self) -> None:
@@ -366,17 +406,28 @@ class Trainer(CheckpointedState):
         """
         cfg, step = self.cfg, self.position.step
         self.watchdog.phase("sync")
-        due_by_time = (self.ctx.is_main and cfg.save_every_minutes > 0
+        main = self.ctx.is_main  # rank 0's clock decides what depends on the time
+        due_by_time = (main and cfg.save_every_minutes > 0
                        and time.monotonic() - self._last_save_time >= 60 * cfg.save_every_minutes)
-        preempt, timed = self._vote.exchange(step, [self.signals.received is not None, due_by_time])
-        if preempt:
+        out_of_time = main and self._deadline is not None and time.time() >= self._deadline
+        preempt, timed, time_up, stop = self._vote.exchange(
+            step, [self.signals.received is not None, due_by_time, out_of_time, self.run_view.stop_reason is not None])
+        if (stop or self.run_view.stop_now) and not (preempt or time_up):
+            reason = self.run_view.stop_reason or "a callback on another rank asked to stop"
+            self.stopped = {"step": step, "reason": reason}
+            log.info("stopping at step %d: %s", step, reason)
+        if preempt or time_up:
             self.save()
             self._wait_for_checkpoint()  # raises if it did not commit: no preemption claims a save it lacks
-            signal_name = self.signals.received or "a peer's signal"
+            signal_name = (self.signals.received or "a peer's signal") if preempt else f"--max_time {cfg.max_time}"
             if self.ctx.is_main:
                 write_atomic(self.run_dir / PREEMPTED_MARKER,
                              json.dumps({"step": step, "signal": signal_name, "time": time.time()}).encode())
-            log.warning("preempted (%s): checkpoint of step %d committed; exiting", signal_name, step)
+            if preempt:
+                log.warning("preempted (%s): checkpoint of step %d committed; exiting", signal_name, step)
+            else:
+                log.warning("time limit %s reached: checkpoint of step %d committed; exiting with %d (run the "
+                            "same command to continue)", signal_name, step, EXIT_PREEMPTED)
             raise Preempted(step, signal_name)
         if timed or (cfg.save_every_steps and step % cfg.save_every_steps == 0):
             self.save()
@@ -392,12 +443,21 @@ class Trainer(CheckpointedState):
         self.parallel.sync_buffers()
         self.checkpoints.save(Position(**vars(self.position)), self.snapshot, self.rank_state())
         self._last_save_time = time.monotonic()
+        self._announce_checkpoint()
 
     def _wait_for_checkpoint(self) -> None:
         """Wait for an async save in flight to commit, under the checkpoint's time limit (not a step's), and
         raise on every rank if it did not. All ranks."""
         self.watchdog.phase("checkpoint")
         self.checkpoints.wait()
+        self._announce_checkpoint()
+
+    def _announce_checkpoint(self) -> None:
+        """`on_checkpoint` for a checkpoint every rank now knows committed (an async one: at the next wait)."""
+        step = self.checkpoints.last_saved_step
+        if step > self._announced_checkpoint:
+            self._announced_checkpoint = step
+            self.callbacks.call("on_checkpoint", self.run_view, step)
 
     def _resume(self) -> None:
         """Restore the newest usable checkpoint (or --resume_from). All ranks."""

@@ -22,8 +22,8 @@ _IMPLEMENTATION = ("initial_lr", "foreach", "fused", "capturable", "differentiab
 
 class CheckpointedState:
     """The Trainer's checkpoint side (a base class of `loop.trainer.Trainer`, which sets every attribute it
-    reads: the model, optimizer, schedule, scaler, position, metric window, stream position, config and
-    process group)."""
+    reads: the model, optimizer, schedule, scaler, position, metric window, stream position, callbacks, an
+    agreed early stop, config and process group)."""
 
     def rank_state(self) -> dict[str, Any]:
         """What differs between ranks and a checkpoint gathers from each: RNG streams, the unlogged metric window,
@@ -31,13 +31,17 @@ class CheckpointedState:
         state = {**rng_state(self.ctx.device), "window": self.window.state_dict()}
         if self.stream is not None:
             state["stream"] = self.stream_position.state_dict()
+        if self.callbacks:
+            state["callbacks"] = self.callbacks.state_dict()
         return state
 
     def snapshot(self) -> Snapshot:
         """Everything a checkpoint holds: position, model, optimizer, schedule, scaler, config. Rank 0 only, or
         all ranks when sharded: each then contributes its shards of model and optimizer."""
         scaler = self.scaler.state_dict() if self.scaler is not None else None
-        trainer = {"scheduler": self.scheduler.state_dict(), "scaler": scaler, "log": self.train_log.state_dict()}
+        # The last eval: a resumed run neither repeats it at the same step nor reports none at the end.
+        trainer = {"scheduler": self.scheduler.state_dict(), "scaler": scaler, "log": self.train_log.state_dict(),
+                   "stopped": self.stopped, "last_eval": self._last_eval}
         position, config = Position(**vars(self.position)), self.cfg.to_dict()
         if self.parallel.sharded:
             state, trainer["param_groups"] = shards.state_to_save(self.module, self.optimizer)
@@ -91,6 +95,10 @@ class CheckpointedState:
                              "(--no-auto_resume or another --run_dir)")
         if self.stream is not None:
             self.stream_position.load_state_dict(saved_stream, self.ctx.world_size, self.cfg.num_workers)
+        self.stopped = loaded.trainer.get("stopped")
+        self._last_eval = loaded.trainer.get("last_eval", {})
+        own = rngs[self.ctx.rank] if saved.world_size == self.ctx.world_size else rngs[0]
+        self.callbacks.load_state_dict(own.get("callbacks", {}))  # on another world size: rank 0's
         if saved.world_size == self.ctx.world_size:
             set_rng_state(rngs[self.ctx.rank], self.ctx.device)
         else:

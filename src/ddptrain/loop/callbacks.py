@@ -1,0 +1,153 @@
+"""Callbacks: a user's code at the loop's events, with its state in every checkpoint (docs/callbacks.md).
+
+A callback is any object with some of `Callback`'s methods. The Trainer calls `on_train_start`,
+`on_step_end`, `on_eval`, `on_checkpoint` and `on_train_end` on every rank, `on_log` on rank 0; each gets the
+`TrainingRun`, the callback's view of the loop. `state_dict`/`load_state_dict` ride in each rank's part of a
+checkpoint (`CheckpointedState.rank_state`). `TrainingRun.request_stop` travels in the control vote, so every
+rank stops at the same step. Built on it: `EarlyStopping` (--early_stop_metric).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ddptrain.errors import UsageError
+
+HOOKS = ("on_train_start", "on_step_end", "on_log", "on_eval", "on_checkpoint", "on_train_end")
+
+
+class Callback:
+    """Base class of callbacks (optional): every hook does nothing."""
+
+    def on_train_start(self, run: TrainingRun) -> None: ...
+
+    def on_step_end(self, run: TrainingRun) -> None: ...
+
+    def on_log(self, run: TrainingRun, record: dict[str, Any]) -> None: ...
+
+    def on_eval(self, run: TrainingRun, metrics: dict[str, Any]) -> None: ...
+
+    def on_checkpoint(self, run: TrainingRun, step: int) -> None: ...
+
+    def on_train_end(self, run: TrainingRun, summary: dict[str, Any]) -> None: ...
+
+
+class TrainingRun:
+    """What a callback sees of the loop (read the attributes; call `request_stop`)."""
+
+    def __init__(self, trainer: Any):
+        self._trainer = trainer
+        self.stop_reason: str | None = None  # this rank's request, until the vote carries it
+        self.stop_now = False  # the request is the same on every rank at this step: no vote needed
+
+    step = property(lambda self: self._trainer.position.step, doc="optimizer steps done")
+    epoch = property(lambda self: self._trainer.position.epoch)
+    rank = property(lambda self: self._trainer.ctx.rank)
+    world_size = property(lambda self: self._trainer.ctx.world_size)
+    is_main = property(lambda self: self._trainer.ctx.is_main)
+    config = property(lambda self: self._trainer.cfg)
+    model = property(lambda self: self._trainer.module)
+    optimizer = property(lambda self: self._trainer.optimizer)
+    run_dir = property(lambda self: Path(self._trainer.run_dir))
+
+    def request_stop(self, reason: str, same_on_every_rank: bool = False) -> None:
+        """Stop training at a step every rank agrees on; `reason` goes into the log and the checkpoint.
+
+        `same_on_every_rank=True` promises that every rank makes this request at this same step (a decision
+        on eval metrics, which are the same everywhere): the run then stops at this step, without waiting for
+        the vote. A promise broken leaves the other ranks waiting in their next collective.
+        """
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self.stop_now = same_on_every_rank
+
+
+class Callbacks:
+    """The run's callbacks, called in order; their states by name."""
+
+    def __init__(self, callbacks: list[Any]):
+        self.items = list(callbacks)
+        self.names: list[str] = []
+        for callback in self.items:
+            if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
+                raise UsageError(f"callback {callback!r}: has none of the hooks {', '.join(HOOKS)} "
+                                 "(see ddptrain.Callback)")
+            base = str(getattr(callback, "name", None) or type(callback).__name__)
+            name, n = base, 1
+            while name in self.names:
+                n += 1
+                name = f"{base}-{n}"
+            self.names.append(name)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def call(self, hook: str, *args: Any) -> None:
+        for callback in self.items:
+            method = getattr(callback, hook, None)
+            if method is not None:
+                method(*args)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: callback.state_dict() for name, callback in zip(self.names, self.items)
+                if callable(getattr(callback, "state_dict", None))}
+
+    def load_state_dict(self, states: dict[str, Any]) -> None:
+        for name, callback in zip(self.names, self.items):
+            if name in states and callable(getattr(callback, "load_state_dict", None)):
+                callback.load_state_dict(states[name])
+
+
+def load_callbacks(refs: str) -> list[Any]:
+    """`--callbacks 'pkg.mod:fn,...'`: each fn() returns a callback (a class is instantiated)."""
+    from ddptrain.config import load_plugin
+
+    out = []
+    for ref in (r.strip() for r in refs.split(",")):
+        if ref:
+            made = load_plugin(ref, "--callbacks")()
+            out.append(made)
+    return out
+
+
+class EarlyStopping(Callback):
+    """Stop when eval `metric` has not improved by more than `min_delta` for `patience` evaluations in a row
+    (`--early_stop_metric`, `--early_stop_patience`, `--early_stop_mode`, `--early_stop_min_delta`).
+
+    Its best value and count are saved in checkpoints, so a restarted run keeps its patience. Eval metrics are
+    the same on every rank, so every rank asks to stop at the same eval.
+    """
+
+    name = "early_stopping"
+
+    def __init__(self, metric: str, patience: int, mode: str = "min", min_delta: float = 0.0):
+        if mode not in ("min", "max"):
+            raise UsageError(f"--early_stop_mode {mode!r}: use min or max")
+        self.metric, self.patience, self.mode, self.min_delta = metric, patience, mode, min_delta
+        self.best: float | None = None
+        self.best_step = -1
+        self.bad_evals = 0
+
+    def on_eval(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+        if self.metric not in metrics:
+            shown = ", ".join(k for k, v in metrics.items() if isinstance(v, float))
+            raise UsageError(f"--early_stop_metric {self.metric!r}: the eval reports no such metric; use one of "
+                             f"{shown}")
+        value = float(metrics[self.metric])
+        better = (self.best is None
+                  or (value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta))
+        if better:
+            self.best, self.best_step, self.bad_evals = value, run.step, 0
+            return
+        self.bad_evals += 1
+        if self.bad_evals >= self.patience:
+            run.request_stop(f"early stopping: eval {self.metric} has not improved on {self.best:.6g} (step "
+                             f"{self.best_step}) for {self.bad_evals} evaluations (--early_stop_patience "
+                             f"{self.patience})", same_on_every_rank=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_step": self.best_step, "bad_evals": self.bad_evals}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.best_step, self.bad_evals = state["best"], state["best_step"], state["bad_evals"]

@@ -1,0 +1,49 @@
+"""Callbacks for tests/test_callbacks.py: a user's callback with state, as `--callbacks` loads it."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import ddptrain
+
+
+class Ledger(ddptrain.Callback):
+    """Writes down every event it hears, keeps the sum of the weights it saw at each step boundary (a float64
+    tensor: its bits show a replayed or missed step), and asks to stop on rank 1 only, at step 10: the stop
+    must reach rank 0 through the vote. At the end, its state goes to RUN_DIR/ledger-rank-R.json."""
+
+    def __init__(self):
+        self.events: list[list] = []
+        self.weight_sum = torch.zeros((), dtype=torch.float64)
+
+    def on_train_start(self, run):
+        self.starts_at = run.step  # not state: where this process began
+
+    def on_step_end(self, run):
+        self.weight_sum += sum(p.detach().double().sum() for p in run.model.parameters())
+        self.events.append(["step", run.step])
+        if run.rank == 1 and run.step == 10:
+            run.request_stop("the ledger is full")
+
+    def on_log(self, run, record):
+        assert run.is_main
+        self.events.append(["log", record["step"], record["loss"]])
+
+    def on_eval(self, run, metrics):
+        self.events.append(["eval", run.step, metrics["loss"]])
+
+    def on_checkpoint(self, run, step):
+        self.events.append(["checkpoint", step])
+
+    def on_train_end(self, run, summary):
+        self.events.append(["end", summary["step"]])
+        out = {"events": self.events, "weight_sum": self.weight_sum.item(), "starts_at": self.starts_at}
+        (run.run_dir / f"ledger-rank-{run.rank}.json").write_text(json.dumps(out))
+
+    def state_dict(self):
+        return {"events": self.events, "weight_sum": self.weight_sum}
+
+    def load_state_dict(self, state):
+        self.events, self.weight_sum = state["events"], state["weight_sum"]

@@ -1,0 +1,148 @@
+"""Callbacks (docs/callbacks.md): the loop's events, state in checkpoints, a stop every rank agrees on; the
+built-ins on it (early stopping) and beside it (--eval_every_steps, --max_time). Real processes, gloo on CPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from helpers import (
+    TINY,
+    assert_bitwise_equal,
+    assert_restarted,
+    last_committed,
+    metrics,
+    one_line_error,
+    run_cli,
+    train,
+    weights,
+)
+
+from ddptrain.config import parse_duration
+from ddptrain.errors import UsageError
+from ddptrain.loop.callbacks import Callbacks, EarlyStopping
+
+# 4 epochs of 4 steps (global batch 64 of 256 samples); a checkpoint every 3 steps and at each epoch's end.
+LEDGER = ["--callbacks", "callback_plugins:Ledger", "--epochs", "4", "--save_every_steps", "3", "--keep_last", "0",
+          "--control_interval", "2", "--eval_every_steps", "4"]
+
+
+def ledgers(run_dir: Path) -> list[dict]:
+    return [json.loads((run_dir / f"ledger-rank-{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_a_callbacks_state_survives_a_kill_and_its_stop_reaches_every_rank(tmp_path):
+    """Ledger keeps every event and a float64 sum of the weights at each step; rank 1 asks to stop at step 10.
+    Killed at step 5 and restarted from the step-4 checkpoint, each rank's ledger ends equal to the
+    uninterrupted run's: nothing the restart replayed is there twice, nothing is missing. The stop, asked on
+    rank 1 only, is cast at step 10 and read at 11: both ranks stop there, and the run exits 0."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train(ref, *LEDGER, nproc=2)
+    proc = train(run, *LEDGER, "--max_restarts", "1", nproc=2, env={"DDPTRAIN_FAULT": "rank=1,step=5,kind=sigkill"})
+    assert_restarted(proc, run, from_step=4)
+    for ours, theirs in zip(ledgers(run), ledgers(ref)):
+        assert ours["events"] == theirs["events"]
+        assert ours["weight_sum"] == theirs["weight_sum"]
+    rank0, rank1 = ledgers(ref)
+    assert [e for e in rank0["events"] if e[0] == "end"] == [["end", 11]] == [e for e in rank1["events"] if e[0] == "end"]
+    assert [e[1] for e in rank0["events"] if e[0] == "step"] == list(range(1, 12))
+    assert [e[1] for e in rank0["events"] if e[0] == "checkpoint"] == [3, 4, 6, 8, 9, 11]
+    assert [e[1] for e in rank0["events"] if e[0] == "eval"] == [4, 8, 11]  # once each: every-4 and the epochs' ends
+    assert [e[1] for e in rank0["events"] if e[0] == "log"] == list(range(1, 12))
+    assert not [e for e in rank1["events"] if e[0] == "log"], "on_log is rank 0's"
+    assert ledgers(run)[0]["starts_at"] == 4  # the restarted process began at the checkpoint
+    assert last_committed(run).name == "step-11"
+    assert_bitwise_equal(weights(run / "model.safetensors"), weights(ref / "model.safetensors"))
+    log = (run / "logs" / "rank-0.log").read_text()
+    assert "stopping at step 11: a callback on another rank asked to stop" in log
+    # The stop is in the checkpoint: the same command again trains nothing.
+    again = train(run, *LEDGER, nproc=2)
+    assert "run stopped early at step 11" in again.stderr + (run / "logs" / "rank-0.log").read_text()
+    assert last_committed(run).name == "step-11"
+
+
+EARLY = ["--lr", "0", "--epochs", "3", "--eval_every_steps", "2", "--early_stop_metric", "loss",
+         "--early_stop_patience", "2", "--save_every_steps", "4", "--keep_last", "0"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_early_stopping_stops_every_rank_at_the_same_step_and_keeps_its_patience_through_a_restart(tmp_path, strategy):
+    """lr 0: the eval loss never improves after its first value (step 2). Patience 2: evals at 4 and 6 fail to
+    improve, so the run stops at step 6 on both ranks. Killed at step 5, the restart resumes from step 4 with
+    one eval of patience spent and still stops at 6; a restart that forgot the count would stop at 10."""
+    proc = train(tmp_path, *EARLY, "--strategy", strategy, "--max_restarts", "1", nproc=2,
+                 env={"DDPTRAIN_FAULT": "rank=0,step=5,kind=sigkill"})
+    assert_restarted(proc, tmp_path, from_step=4)
+    assert last_committed(tmp_path).name == "step-6"
+    assert max(r["step"] for r in metrics(tmp_path, "train")) == 6
+    assert [r["step"] for r in metrics(tmp_path, "eval")] == [2, 4, 6]
+    for rank in (0, 1):
+        assert "stopping at step 6: early stopping: eval loss has not improved" in \
+            (tmp_path / "logs" / f"rank-{rank}.log").read_text()
+
+
+def test_max_time_saves_and_exits_75_and_the_rerun_ends_as_an_uninterrupted_run(tmp_path):
+    """--max_time 1 is over before the first step (the launch takes longer): the vote cast at step 1 is read at
+    step 2, which is saved; exit 75, the run incomplete. The same command without the limit finishes it,
+    bitwise equal to a run never stopped."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    job = ["--epochs", "2", "--control_interval", "1"]
+    stopped = train(run, *job, "--max_time", "1", nproc=2, check=False)
+    assert stopped.returncode == 75, stopped.stderr
+    assert "time limit --max_time 1: checkpoint of step 2 committed; exit 75" in stopped.stderr
+    assert last_committed(run).name == "step-2"
+    train(run, *job, nproc=2)
+    train(ref, *job, nproc=2)
+    assert_bitwise_equal(weights(run / "model.safetensors"), weights(ref / "model.safetensors"))
+
+
+def test_a_metric_the_eval_lacks_and_a_callback_that_does_not_import_are_one_line_errors(tmp_path):
+    line = one_line_error(run_cli(["train", *TINY, "--run_dir", str(tmp_path), "--max_steps", "2",
+                                   "--early_stop_metric", "bleu"]))
+    assert "--early_stop_metric 'bleu'" in line and "loss" in line and "accuracy" in line
+    line = one_line_error(run_cli(["train", *TINY, "--run_dir", str(tmp_path), "--callbacks", "no_such_mod:Cb"]))
+    assert "--callbacks" in line and "no_such_mod" in line
+
+
+# --- in one process ------------------------------------------------------------------------------------
+
+def test_early_stopping_counts_evaluations_without_improvement_by_more_than_min_delta():
+    stops = []
+    run = SimpleNamespace(step=0, request_stop=lambda reason, same_on_every_rank: stops.append((run.step, reason)))
+    stopper = EarlyStopping("accuracy", patience=2, mode="max", min_delta=0.01)
+    for step, accuracy in [(1, 0.5), (2, 0.6), (3, 0.605), (4, 0.62), (5, 0.62), (6, 0.625)]:
+        run.step = step
+        stopper.on_eval(run, {"accuracy": accuracy})
+    assert [s for s, _ in stops] == [6]  # 0.605 and 0.62 at step 5 do not improve by 0.01; 0.62 at 4 did
+    assert stopper.state_dict() == {"best": 0.62, "best_step": 4, "bad_evals": 2}
+    restored = EarlyStopping("accuracy", patience=2, mode="max")
+    restored.load_state_dict(stopper.state_dict())
+    assert restored.state_dict() == stopper.state_dict()
+
+
+def test_callbacks_are_named_by_class_and_an_object_without_hooks_is_refused():
+    class Counter:
+        def on_step_end(self, run): ...
+
+        def state_dict(self):
+            return {"n": 1}
+
+    callbacks = Callbacks([Counter(), Counter(), EarlyStopping("loss", 1)])
+    assert callbacks.names == ["Counter", "Counter-2", "early_stopping"]
+    assert set(callbacks.state_dict()) == {"Counter", "Counter-2", "early_stopping"}
+    with pytest.raises(UsageError, match="has none of the hooks"):
+        Callbacks([object()])
+
+
+@pytest.mark.parametrize("text, seconds", [("5400", 5400), ("90:00", 5400), ("1:30:00", 5400),
+                                           ("2-00:00:00", 172800), ("0.5", 0.5)])
+def test_max_time_reads_seconds_and_slurm_times(text, seconds):
+    assert parse_duration(text, "--max_time") == seconds
+
+
+@pytest.mark.parametrize("text", ["x", "-5", "1-30", "0", "1:2:3:4"])
+def test_max_time_refuses_what_is_not_a_duration(text):
+    with pytest.raises(UsageError, match="--max_time"):
+        parse_duration(text, "--max_time")
