@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -123,6 +124,15 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     return lines[0]
+
+
+def wait_for(path: Path, proc: subprocess.Popen, limit_s: float = 120) -> None:
+    """Wait until `path` exists while `proc` (a run started in the background) is still running."""
+    deadline = time.monotonic() + limit_s
+    while not path.exists():
+        assert proc.poll() is None, f"run ended before {path} appeared: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -12,11 +12,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers import TINY, assert_bitwise_equal, cli_env, last_committed, metrics, optimizer_state, train, weights
+from helpers import (
+    TINY,
+    assert_bitwise_equal,
+    cli_env,
+    last_committed,
+    metrics,
+    optimizer_state,
+    train,
+    wait_for,
+    weights,
+)
 
 JOB = ["--model", "fault_plugins:dropout_mlp", "--dataset", "fault_plugins:augmented_synthetic",
        "--batch_size", "8", "--grad_accum_steps", "2", "--epochs", "2", "--save_every_steps", "3",
@@ -67,14 +76,6 @@ def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, limit_s: float = 120) -> None:
-    deadline = time.monotonic() + limit_s
-    while not path.exists():
-        assert proc.poll() is None, f"run ended before {path} appeared: {proc.communicate()}"
-        assert time.monotonic() < deadline, f"{path} did not appear"
-        time.sleep(0.01)
-
-
 SLOW = ["--dataset", "fault_plugins:slow_augmented_synthetic"]
 
 
@@ -87,7 +88,7 @@ def slow_reference(tmp_path_factory) -> Path:
 
 def test_whole_job_killed_then_rerun_resumes_bitwise(tmp_path, slow_reference):
     proc = _start(tmp_path, *SLOW)
-    _wait_for(tmp_path / "checkpoints" / "step-6" / "manifest.json", proc)
+    wait_for(tmp_path / "checkpoints" / "step-6" / "manifest.json", proc)
     os.killpg(proc.pid, signal.SIGKILL)  # launcher and workers at once: no chance to clean up
     proc.wait()
     assert not (tmp_path / "model.safetensors").exists(), "the run finished before it could be killed"
@@ -98,7 +99,7 @@ def test_whole_job_killed_then_rerun_resumes_bitwise(tmp_path, slow_reference):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
 def test_preemption_signal_commits_checkpoint_and_exits_75(tmp_path, slow_reference, sig):
     proc = _start(tmp_path, *SLOW)
-    _wait_for(tmp_path / "checkpoints" / "step-3" / "manifest.json", proc)
+    wait_for(tmp_path / "checkpoints" / "step-3" / "manifest.json", proc)
     proc.send_signal(sig)  # to the launcher only: torch's agent forwards it to the workers
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, (out, err)

@@ -192,6 +192,16 @@ class TrainConfig:
     profile_active: int = opt(3, "profiler: steps recorded into the trace", min=1, group="observability")
     tensorboard: bool = opt(False, "write TensorBoard events to RUN_DIR/tb/ (needs the tensorboard package)",
                             group="observability")
+    tracker: str = opt("", "experiment trackers rank 0 sends every metrics line to, comma-separated: mlflow, "
+                       "tensorboard (= --tensorboard); one tracker run per run dir (docs/trackers.md)",
+                       group="observability")
+    mlflow_tracking_uri: str = opt("", "--tracker mlflow: the tracking server or store (default: "
+                                   "MLFLOW_TRACKING_URI, else MLflow's default)", group="observability")
+    mlflow_experiment: str = opt("", "--tracker mlflow: the experiment (default: MLFLOW_EXPERIMENT_NAME, else "
+                                 "'ddptrain')", group="observability")
+    tracker_run_name: str = opt("", "the tracker run's name (default: the run dir's name)", group="observability")
+    tracker_log_model: bool = opt(False, "at the end of a finished run, send model.safetensors and config.toml to "
+                                  "the trackers as artifacts", group="observability")
     progress: bool = opt(True, "progress bar on rank 0 (only when stderr is a terminal)", group="observability")
     peak_tflops: float = opt(0.0, "per-device peak TFLOP/s for MFU (0 = known GPU table, else no MFU)",
                              min=0.0, group="observability")
@@ -291,6 +301,8 @@ class TrainConfig:
         _check_inject_fault(self.inject_fault)
         if self.max_time:
             parse_duration(self.max_time, "--max_time")
+        if "tensorboard" in parse_trackers(self.tracker):
+            self.tensorboard = True
         for ref in filter(None, (r.strip() for r in self.callbacks.split(","))):
             load_plugin(ref, "--callbacks")
         if self.model == "gpt" and self.width % self.num_heads:
@@ -352,6 +364,19 @@ def _check_inject_fault(spec: str) -> None:
         from ddptrain.faults import FaultSpec
 
         FaultSpec.parse(spec, source="--inject_fault")
+
+
+TRACKERS = ("mlflow", "tensorboard")
+
+
+def parse_trackers(value: str) -> list[str]:
+    """`--tracker mlflow,tensorboard` -> ["mlflow", "tensorboard"]; an unknown name is a UsageError."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    for name in names:
+        if name not in TRACKERS:
+            raise UsageError(f"--tracker {name!r}: not a tracker ddptrain writes to; use {', '.join(TRACKERS)} "
+                             "(comma-separated)")
+    return names
 
 
 def parse_duration(text: str, flag: str) -> float:

@@ -21,6 +21,11 @@ def check(cfg: TrainConfig) -> None:
 
         if not continues_line(cfg.checkpoint_path, cfg.resume_from):
             raise UsageError(f"--resume_from {cfg.resume_from}: no such directory; pass a checkpoints/step-N dir")
+    from ddptrain.config import parse_trackers
+    from ddptrain.observe.trackers import require_tracker
+
+    for name in parse_trackers(cfg.tracker):
+        require_tracker(name)
     if cfg.tensorboard:
         from ddptrain.observe.metrics import require_tensorboard
 

@@ -22,9 +22,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+import ddptrain
 from ddptrain.checkpoints.format import Position, changed_settings_error, safetensors_bytes, write_atomic
 from ddptrain.checkpoints.manager import CheckpointManager
-from ddptrain.config import TrainConfig, parse_duration, setting_changes
+from ddptrain.config import TrainConfig, parse_duration, parse_trackers, setting_changes
 from ddptrain.data.batch import to_device
 from ddptrain.data.pipeline import BatchLayout, build_datasets, epoch_batches
 from ddptrain.data.streams import stream_batches
@@ -46,6 +47,7 @@ from ddptrain.observe import perf
 from ddptrain.observe.log import rank_log_path
 from ddptrain.observe.metrics import MetricSinks, ProgressBar
 from ddptrain.observe.profiler import StepProfiler
+from ddptrain.observe.trackers import Trackers
 from ddptrain.parallel.distributed import DistributedContext, LaggedVote
 from ddptrain.parallel.launch import LAUNCH_TIME_ENV
 from ddptrain.parallel.strategies import build_parallel
@@ -153,7 +155,13 @@ class Trainer(CheckpointedState):
             # DDP broadcasts buffers (BatchNorm statistics) before the module runs, which waits for late
             # ranks: the straggler statistic times the module's own forward, from this hook on.
             module.register_forward_pre_hook(self._module_forward_started)
-        self.sinks = MetricSinks(run_dir, cfg.tensorboard) if ctx.is_main else None
+        self.trackers = None
+        if ctx.is_main and parse_trackers(cfg.tracker):
+            tags = {"ddptrain.world_size": str(ctx.world_size), "ddptrain.strategy": cfg.strategy,
+                    "ddptrain.hosts": ",".join(sorted(set(ctx.hosts))) or ctx.host,
+                    "ddptrain.version": ddptrain.__version__}
+            self.trackers = Trackers(parse_trackers(cfg.tracker), run_dir, cfg, tags)
+        self.sinks = MetricSinks(run_dir, cfg.tensorboard, self.trackers) if ctx.is_main else None
         self.peak_tflops = cfg.peak_tflops or perf.known_peak_tflops(device)
         self.window = MetricWindow(device, cfg.log_interval)
         self.normaliser = LossNormaliser(self.task, ctx, cfg.grad_accum_steps)
@@ -192,6 +200,19 @@ class Trainer(CheckpointedState):
 
         Must be called on all ranks. Raises Preempted after a preemption checkpoint has committed.
         """
+        status = "failed"
+        try:
+            summary = self._fit()
+            status = "finished"
+            return summary
+        except Preempted:
+            status = "preempted"
+            raise
+        finally:
+            if self.trackers:
+                self.trackers.close(status)  # after the weights' export: --tracker_log_model sends them
+
+    def _fit(self) -> dict[str, Any]:
         cfg, pos = self.cfg, self.position
         started = time.perf_counter()
         with self.signals, self.watchdog, self.profiler, self._outputs_closed_at_exit():

@@ -42,8 +42,9 @@ class MetricSinks:
     so no line is lost when a run ends or fails.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, run_dir: Path, tensorboard: bool, trackers: Any = None):
         self.path = run_dir / "metrics.jsonl"
+        self.trackers = trackers  # observe.trackers.Trackers: each line goes to them too, on their own threads
         self._file = open(self.path, "a", buffering=1)
         self._tb = None
         if tensorboard:
@@ -59,6 +60,8 @@ class MetricSinks:
         """Queue `record` for the writer thread, which then logs `announce` (if any) at INFO."""
         assert record["split"] in SPLITS
         self._queue.put((record, announce))
+        if self.trackers:
+            self.trackers.log(record)
 
     def _drain(self) -> None:
         while (item := self._queue.get()) is not None:

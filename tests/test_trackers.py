@@ -1,0 +1,147 @@
+"""Experiment trackers (docs/trackers.md) against a real MLflow tracking server on loopback (SQLite backend in a
+temporary directory), read back through MLflow's own client. The last test stops that server mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from helpers import TINY, cli_env, metrics, one_line_error, run_cli, train, wait_for
+
+from ddptrain.parallel.procenv import free_port
+
+mlflow = pytest.importorskip("mlflow")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+# 16 steps of 2 micro-batches; the slow dataset leaves time to signal the launcher mid-run.
+JOB = ["--model", "fault_plugins:dropout_mlp", "--dataset", "fault_plugins:slow_augmented_synthetic",
+       "--batch_size", "8", "--grad_accum_steps", "2", "--epochs", "2", "--save_every_steps", "3", "--keep_last", "0",
+       "--num_workers", "2", "--tracker", "mlflow"]
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`mlflow server` with a SQLite store, on a free loopback port; its URI."""
+    work = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    exe = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
+    log = open(work / "server.log", "w")
+    proc = subprocess.Popen([exe, "server", "--backend-store-uri", f"sqlite:///{work / 'store.db'}",
+                             "--default-artifact-root", str(work / "artifacts"), "--host", "127.0.0.1",
+                             "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    break
+        except OSError:
+            pass
+        assert proc.poll() is None, (work / "server.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "mlflow server did not start"
+        time.sleep(0.5)
+    yield SimpleServer(uri, proc)
+    SimpleServer(uri, proc).stop()
+    log.close()
+
+
+class SimpleServer:
+    def __init__(self, uri: str, proc: subprocess.Popen):
+        self.uri, self.proc = uri, proc
+
+    def stop(self) -> None:
+        """SIGKILL the server and its workers (uvicorn runs in a child process of `mlflow server`)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+
+    def env(self, experiment: str) -> dict[str, str]:
+        return {"MLFLOW_TRACKING_URI": self.uri, "MLFLOW_EXPERIMENT_NAME": experiment}
+
+
+def _start(run_dir: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "ddptrain", "train", *TINY, *JOB, "--run_dir", str(run_dir), "--nproc", "2", *extra]
+    return subprocess.Popen(args, env=cli_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _runs(client: MlflowClient, experiment: str) -> list:
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id]) if found else []
+
+
+def test_a_killed_preempted_and_rerun_job_is_one_mlflow_run_with_each_step_once(tmp_path, server):
+    """A worker SIGKILLed at step 5 (the launcher restarts the workers from step 3), the job then preempted
+    by SIGTERM after the step-9 checkpoint (exit 75), and the same command run again: MLflow holds ONE run,
+    its params the resolved config, train/loss at every step 1..16 exactly once with metrics.jsonl's
+    values, the eval metrics, and status FINISHED."""
+    experiment = f"kill-preempt-{uuid.uuid4().hex[:6]}"
+    env = {**server.env(experiment), "DDPTRAIN_FAULT": "rank=1,step=5,kind=sigkill"}
+    proc = _start(tmp_path, env, "--max_restarts", "1")
+    wait_for(tmp_path / "checkpoints" / "step-9" / "manifest.json", proc)
+    proc.send_signal(signal.SIGTERM)  # to the launcher: a scheduler's preemption
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 75, err
+    assert "attempts left; will restart worker group" in err, "the worker was not killed and restarted"
+    client = MlflowClient(server.uri)
+    (run,) = _runs(client, experiment)
+    assert client.get_run(run.info.run_id).info.status == "KILLED"
+    assert run.data.tags["ddptrain.status"] == "preempted"
+    train(tmp_path, *JOB, nproc=2, env=server.env(experiment))
+
+    (run,) = _runs(client, experiment)
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert run.data.tags["ddptrain.status"] == "finished" and run.data.tags["ddptrain.world_size"] == "2"
+    assert run.data.params["lr"] == "0.1" and run.data.params["grad_accum_steps"] == "2"
+    history = client.get_metric_history(run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), "each log step exactly once"
+    jsonl = {r["step"]: r["loss"] for r in metrics(tmp_path, "train")}
+    assert {m.step: m.value for m in history} == jsonl
+    evals = client.get_metric_history(run_id, "eval/loss")
+    assert sorted(m.step for m in evals) == [8, 16]
+    assert {"eval/accuracy", "train/samples_per_sec", "train/grad_norm"} <= set(run.data.metrics)
+
+
+def test_a_missing_tracker_package_names_the_extra_and_an_unknown_tracker_is_refused(tmp_path):
+    line = one_line_error(run_cli(["train", *TINY, "--run_dir", str(tmp_path), "--tracker", "comet"]))
+    assert "--tracker 'comet'" in line and "mlflow" in line
+    script = ("import sys; sys.modules['mlflow'] = None; from ddptrain.cli import main; "
+              f"sys.exit(main(['train', *{TINY!r}, '--run_dir', {str(tmp_path)!r}, '--tracker', 'mlflow']))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=120)
+    line = one_line_error(proc)
+    assert "pip install 'ddptrain[mlflow]'" in line
+
+
+def test_the_tracker_server_stopped_mid_run_costs_training_nothing(tmp_path, server):
+    """The server is SIGKILLed after the step-3 checkpoint. Training finishes with exit 0, one warning names the
+    tracker, metrics.jsonl has every step, and no step stalls on the network: the slowest step is within 10x
+    the median (a send on the training thread would wait for MLflow's refused connections and their retry)."""
+    experiment = f"server-down-{uuid.uuid4().hex[:6]}"
+    proc = _start(tmp_path, server.env(experiment))
+    wait_for(tmp_path / "checkpoints" / "step-3" / "manifest.json", proc)
+    server.stop()  # this module's last test: the server is gone for good
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    warnings = [line for line in log.splitlines() if "WARNING" in line and "tracker mlflow" in line]
+    assert len(warnings) == 1, warnings
+    train_lines = metrics(tmp_path, "train")
+    assert [r["step"] for r in train_lines] == list(range(1, STEPS + 1))
+    times = [r["step_time_s"] for r in train_lines[4:]]
+    assert max(times) <= 10 * statistics.median(times), times
