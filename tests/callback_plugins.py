@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import torch
 
@@ -47,3 +50,22 @@ class Ledger(ddptrain.Callback):
 
     def load_state_dict(self, state):
         self.events, self.weight_sum = state["events"], state["weight_sum"]
+
+
+class KillWhenTracked(ddptrain.Callback):
+    """A fault for tests/test_trackers.py: in the first incarnation, rank 1 waits at the boundary after step 7
+    until the test has seen the tracker hold the line of step 6 (the file RUN_DIR/tracked), then SIGKILLs
+    itself. The launcher's restart from the step-4 checkpoint then trains steps 5 and 6 again, whose lines the
+    tracker already has."""
+
+    def on_step_end(self, run):
+        if run.rank != 1 or run.step != 7 or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return
+        flag = run.run_dir / "tracked"
+        deadline = time.monotonic() + 300
+        while not flag.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test never saw the tracker hold step 6")
+            time.sleep(0.05)
+        flag.unlink()
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -16,17 +16,18 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import TINY, cli_env, metrics, one_line_error, run_cli, train, wait_for
+from helpers import TINY, assert_restarted, cli_env, metrics, one_line_error, run_cli, train, wait_for
 
 from ddptrain.parallel.procenv import free_port
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-# 16 steps of 2 micro-batches; the slow dataset leaves time to signal the launcher mid-run.
+# 16 steps of 2 micro-batches, checkpoints every 4; the slow dataset leaves time to signal the launcher mid-run,
+# and the control vote every step acts on the signal at the next.
 JOB = ["--model", "fault_plugins:dropout_mlp", "--dataset", "fault_plugins:slow_augmented_synthetic",
-       "--batch_size", "8", "--grad_accum_steps", "2", "--epochs", "2", "--save_every_steps", "3", "--keep_last", "0",
-       "--num_workers", "2", "--tracker", "mlflow"]
+       "--batch_size", "8", "--grad_accum_steps", "2", "--epochs", "2", "--save_every_steps", "4", "--keep_last", "0",
+       "--num_workers", "2", "--control_interval", "1", "--tracker", "mlflow"]
 STEPS = 16
 
 
@@ -80,29 +81,40 @@ def _start(run_dir: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def proc_result(proc: subprocess.Popen, stderr: str) -> subprocess.CompletedProcess:
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+
+
 def _runs(client: MlflowClient, experiment: str) -> list:
     found = client.get_experiment_by_name(experiment)
     return client.search_runs([found.experiment_id]) if found else []
 
 
 def test_a_killed_preempted_and_rerun_job_is_one_mlflow_run_with_each_step_once(tmp_path, server):
-    """A worker SIGKILLed at step 5 (the launcher restarts the workers from step 3), the job then preempted
-    by SIGTERM after the step-9 checkpoint (exit 75), and the same command run again: MLflow holds ONE run,
-    its params the resolved config, train/loss at every step 1..16 exactly once with metrics.jsonl's
-    values, the eval metrics, and status FINISHED."""
+    """Rank 1 SIGKILLed after step 7 once MLflow holds the line of step 6 (callback_plugins.KillWhenTracked),
+    so the launcher's restart from the step-4 checkpoint trains steps 5 and 6 again; the job then preempted by
+    SIGTERM after the step-8 checkpoint (exit 75), and the same command run again: MLflow holds ONE run, its
+    params the resolved config, train/loss at every step 1..16 exactly once with metrics.jsonl's values, the
+    eval metrics, and status FINISHED."""
     experiment = f"kill-preempt-{uuid.uuid4().hex[:6]}"
-    env = {**server.env(experiment), "DDPTRAIN_FAULT": "rank=1,step=5,kind=sigkill"}
-    proc = _start(tmp_path, env, "--max_restarts", "1")
-    wait_for(tmp_path / "checkpoints" / "step-9" / "manifest.json", proc)
+    client = MlflowClient(server.uri)
+    proc = _start(tmp_path, server.env(experiment), "--max_restarts", "1", "--callbacks",
+                  "callback_plugins:KillWhenTracked")
+    deadline = time.monotonic() + 180
+    while max((m.step for run in _runs(client, experiment)
+               for m in client.get_metric_history(run.info.run_id, "train/loss")), default=0) < 6:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    (tmp_path / "tracked").touch()
+    wait_for(tmp_path / "checkpoints" / "step-8" / "manifest.json", proc)
     proc.send_signal(signal.SIGTERM)  # to the launcher: a scheduler's preemption
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 75, err
-    assert "attempts left; will restart worker group" in err, "the worker was not killed and restarted"
-    client = MlflowClient(server.uri)
+    assert_restarted(proc_result(proc, err), tmp_path, from_step=4)
     (run,) = _runs(client, experiment)
     assert client.get_run(run.info.run_id).info.status == "KILLED"
     assert run.data.tags["ddptrain.status"] == "preempted"
-    train(tmp_path, *JOB, nproc=2, env=server.env(experiment))
+    train(tmp_path, *JOB, "--callbacks", "callback_plugins:KillWhenTracked", nproc=2, env=server.env(experiment))
 
     (run,) = _runs(client, experiment)
     run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
@@ -114,7 +126,7 @@ def test_a_killed_preempted_and_rerun_job_is_one_mlflow_run_with_each_step_once(
     jsonl = {r["step"]: r["loss"] for r in metrics(tmp_path, "train")}
     assert {m.step: m.value for m in history} == jsonl
     evals = client.get_metric_history(run_id, "eval/loss")
-    assert sorted(m.step for m in evals) == [8, 16]
+    assert sorted(m.step for m in evals) == [8, 16]  # the epochs' ends, each once
     assert {"eval/accuracy", "train/samples_per_sec", "train/grad_norm"} <= set(run.data.metrics)
 
 
@@ -129,12 +141,12 @@ def test_a_missing_tracker_package_names_the_extra_and_an_unknown_tracker_is_ref
 
 
 def test_the_tracker_server_stopped_mid_run_costs_training_nothing(tmp_path, server):
-    """The server is SIGKILLed after the step-3 checkpoint. Training finishes with exit 0, one warning names the
+    """The server is SIGKILLed after the step-4 checkpoint. Training finishes with exit 0, one warning names the
     tracker, metrics.jsonl has every step, and no step stalls on the network: the slowest step is within 10x
     the median (a send on the training thread would wait for MLflow's refused connections and their retry)."""
     experiment = f"server-down-{uuid.uuid4().hex[:6]}"
     proc = _start(tmp_path, server.env(experiment))
-    wait_for(tmp_path / "checkpoints" / "step-3" / "manifest.json", proc)
+    wait_for(tmp_path / "checkpoints" / "step-4" / "manifest.json", proc)
     server.stop()  # this module's last test: the server is gone for good
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
