@@ -146,3 +146,32 @@ def test_max_time_reads_seconds_and_slurm_times(text, seconds):
 def test_max_time_refuses_what_is_not_a_duration(text):
     with pytest.raises(UsageError, match="--max_time"):
         parse_duration(text, "--max_time")
+
+
+# --- EMA -------------------------------------------------------------------------------------------------
+
+def test_the_ema_is_the_average_of_the_per_step_weights_computed_by_hand(tmp_path):
+    """--ema_decay 0.9 over 4 steps with a checkpoint at each: model_ema.safetensors equals, bit for bit,
+    torch.lerp(ema, weights of step s, 1 - 0.9) applied by hand from the initial weights through steps 1..4."""
+    import torch
+    from helpers import initial_weights
+
+    train(tmp_path, "--epochs", "1", "--save_every_steps", "1", "--keep_last", "0", "--ema_decay", "0.9", nproc=2)
+    ema = {k: v.clone() for k, v in initial_weights().items()}
+    for step in range(1, 5):
+        for name, value in weights(tmp_path / "checkpoints" / f"step-{step}" / "model.safetensors").items():
+            ema[name] = torch.lerp(ema[name], value, 1.0 - 0.9)
+    exported = weights(tmp_path / "model_ema.safetensors")
+    assert_bitwise_equal(exported, ema)
+    final = weights(tmp_path / "model.safetensors")
+    assert any(not torch.equal(final[k], exported[k]) for k in final), "the average is not the weights"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_ema_of_a_killed_and_restarted_run_is_bitwise_the_uninterrupted_runs(tmp_path, strategy):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    job = ["--epochs", "3", "--save_every_steps", "3", "--keep_last", "0", "--ema_decay", "0.8", "--strategy", strategy]
+    train(ref, *job, nproc=2)
+    proc = train(run, *job, "--max_restarts", "1", nproc=2, env={"DDPTRAIN_FAULT": "rank=1,step=8,kind=sigkill"})
+    assert_restarted(proc, run, from_step=6)
+    assert_bitwise_equal(weights(run / "model_ema.safetensors"), weights(ref / "model_ema.safetensors"))

@@ -177,6 +177,9 @@ class TrainConfig:
                                choices=("min", "max"), group="evaluation and stopping")
     early_stop_min_delta: float = opt(0.0, "early stopping: the least change that counts as an improvement",
                                       min=0.0, group="evaluation and stopping")
+    ema_decay: float = opt(0.0, "keep an exponential moving average of the parameters with this decay (e.g. 0.999; "
+                            "0 = off), saved in checkpoints and exported as RUN_DIR/model_ema.safetensors", min=0.0,
+                            group="evaluation and stopping")
     max_time: str = opt("", "save and exit with code 75 (rerun to continue) once this much wall time has passed "
                         "since the launch: seconds or [D-]HH:MM:SS, below the scheduler's limit by the time a save "
                         "takes (empty = no limit)", group="evaluation and stopping")
@@ -301,6 +304,8 @@ class TrainConfig:
         _check_inject_fault(self.inject_fault)
         if self.max_time:
             parse_duration(self.max_time, "--max_time")
+        if self.ema_decay >= 1.0:
+            raise UsageError(f"--ema_decay {self.ema_decay}: must be below 1 (0.999 averages over ~1000 steps; 0 is off)")
         if "tensorboard" in parse_trackers(self.tracker):
             self.tensorboard = True
         for ref in filter(None, (r.strip() for r in self.callbacks.split(","))):

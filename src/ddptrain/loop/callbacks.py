@@ -14,6 +14,7 @@ from typing import Any
 
 from ddptrain.errors import UsageError
 
+SAME_AS_RANK_0 = "same as rank 0"  # a state_dict() of a replicated callback on ranks > 0: restore rank 0's
 HOOKS = ("on_train_start", "on_step_end", "on_log", "on_eval", "on_checkpoint", "on_train_end")
 
 
@@ -93,10 +94,14 @@ class Callbacks:
         return {name: callback.state_dict() for name, callback in zip(self.names, self.items)
                 if callable(getattr(callback, "state_dict", None))}
 
-    def load_state_dict(self, states: dict[str, Any]) -> None:
+    def load_state_dict(self, states: dict[str, Any], rank0: dict[str, Any]) -> None:
+        """This rank's saved states; `rank0`'s for a callback that saved SAME_AS_RANK_0 here."""
         for name, callback in zip(self.names, self.items):
-            if name in states and callable(getattr(callback, "load_state_dict", None)):
-                callback.load_state_dict(states[name])
+            state = states.get(name)
+            if isinstance(state, str) and state == SAME_AS_RANK_0:
+                state = rank0.get(name)
+            if state is not None and callable(getattr(callback, "load_state_dict", None)):
+                callback.load_state_dict(state)
 
 
 def load_callbacks(refs: str) -> list[Any]:
@@ -151,3 +156,84 @@ class EarlyStopping(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.best_step, self.bad_evals = state["best"], state["best_step"], state["bad_evals"]
+
+
+class EMA(Callback):
+    """An exponential moving average of the parameters (`--ema_decay`): after every optimizer step,
+    ema <- ema + (1 - decay) * (param - ema) (torch.lerp), on the device beside the weights and, under
+    fsdp/hsdp, sharded like them (each rank averages its own shards).
+
+    Its state rides in checkpoints: under ddp the average is the same on every rank, so rank 0's is saved
+    and every rank restores it; under fsdp each rank saves its shards. Exported at the end as
+    RUN_DIR/model_ema.safetensors (`Trainer._export_weights`), the model's state dict with the averaged
+    parameters (buffers as trained).
+    """
+
+    name = "ema"
+
+    def __init__(self, decay: float, sharded: bool):
+        self.decay, self.sharded = decay, sharded
+        self.shadow: list[Any] | None = None
+        self._pending: list[Any] | None = None  # restored before the model's parameters are known
+
+    def _locals(self, tensors: list[Any]) -> list[Any]:
+        return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+    def on_train_start(self, run: TrainingRun) -> None:
+        import torch
+
+        if self.shadow is not None:
+            return
+        params = [p for p in run.model.parameters()]
+        with torch.no_grad():
+            self.shadow = [p.detach().clone() for p in params]
+        if self._pending is not None:
+            saved, self._pending = self._pending, None
+            mine = self._locals(self.shadow)
+            if [tuple(t.shape) for t in saved] != [tuple(t.shape) for t in mine]:
+                import logging
+
+                logging.getLogger("ddptrain").warning(
+                    "--ema_decay: the checkpoint's average was sharded for another world size; the average "
+                    "starts again from the current weights")
+                return
+            with torch.no_grad():
+                for target, value in zip(mine, saved):
+                    target.copy_(value)
+
+    def on_step_end(self, run: TrainingRun) -> None:
+        import torch
+
+        with torch.no_grad():
+            torch._foreach_lerp_(self._locals(self.shadow),
+                                 self._locals([p.detach() for p in run.model.parameters()]), 1.0 - self.decay)
+
+    def swapped_in(self, module: Any) -> Any:
+        """A context in which `module`'s parameters hold the average (its own values back after)."""
+        import contextlib
+
+        import torch
+
+        @contextlib.contextmanager
+        def swap():
+            params = self._locals([p.detach() for p in module.parameters()])
+            with torch.no_grad():
+                kept = [p.clone() for p in params]
+                torch._foreach_copy_(params, self._locals(self.shadow))
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    torch._foreach_copy_(params, kept)
+
+        return swap()
+
+    def state_dict(self) -> Any:
+        import torch.distributed as dist
+
+        if not self.sharded and dist.is_initialized() and dist.get_rank() != 0:
+            return SAME_AS_RANK_0  # a replica: rank 0's average is every rank's
+        return {"decay": self.decay, "shadow": [t.detach().cpu().clone() for t in self._locals(self.shadow)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pending = state["shadow"]

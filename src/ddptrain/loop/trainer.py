@@ -31,7 +31,7 @@ from ddptrain.data.pipeline import BatchLayout, build_datasets, epoch_batches
 from ddptrain.data.streams import stream_batches
 from ddptrain.errors import EXIT_PREEMPTED, Preempted, TrainingError, UsageError
 from ddptrain.faults import FaultInjector
-from ddptrain.loop.callbacks import Callbacks, EarlyStopping, TrainingRun, load_callbacks
+from ddptrain.loop.callbacks import EMA, Callbacks, EarlyStopping, TrainingRun, load_callbacks
 from ddptrain.loop.evaluator import Evaluator
 from ddptrain.loop.loaders import build_loaders
 from ddptrain.loop.normalise import LossNormaliser
@@ -181,6 +181,9 @@ class Trainer(CheckpointedState):
         of --max_time; what a stop request needs."""
         cfg = self.cfg
         callbacks = [*(parts.callbacks or ()), *load_callbacks(cfg.callbacks)]
+        self.ema = EMA(cfg.ema_decay, self.parallel.sharded) if cfg.ema_decay else None
+        if self.ema is not None:
+            callbacks.append(self.ema)
         if cfg.early_stop_metric:
             callbacks.append(EarlyStopping(cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_mode,
                                            cfg.early_stop_min_delta))
@@ -518,13 +521,20 @@ class Trainer(CheckpointedState):
 
     # --- the end ---------------------------------------------------------------------------------
     def _export_weights(self) -> None:
-        """RUN_DIR/model.safetensors, and for a transformers model RUN_DIR/hf/ (save_pretrained). All ranks."""
+        """RUN_DIR/model.safetensors, for a transformers model RUN_DIR/hf/ (save_pretrained), with --ema_decay
+        RUN_DIR/model_ema.safetensors. All ranks."""
         state = self.parallel.state_dict()  # sharded: gathered onto rank 0 (a collective)
         if self.ctx.is_main:
             write_atomic(self.run_dir / "model.safetensors",
                          safetensors_bytes(state, metadata={"step": str(self.position.step)}))
             if hf.is_transformers(self.module):
                 hf.save_pretrained(self.cfg, state, self.run_dir / hf.HF_DIR, self.module)
+        if self.ema is not None:
+            with self.ema.swapped_in(self.module):  # a replica's state dict holds the parameters themselves:
+                averaged = {k: v.clone() for k, v in self.parallel.state_dict().items()}  # copy before swapping back
+            if self.ctx.is_main:
+                write_atomic(self.run_dir / "model_ema.safetensors", safetensors_bytes(
+                    averaged, metadata={"step": str(self.position.step), "ema_decay": repr(self.cfg.ema_decay)}))
 
     def close(self) -> None:
         """Stop the loaders' worker processes now. Safe to call twice; a later `fit` would start new ones.

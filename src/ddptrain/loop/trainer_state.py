@@ -98,7 +98,7 @@ class CheckpointedState:
         self.stopped = loaded.trainer.get("stopped")
         self._last_eval = loaded.trainer.get("last_eval", {})
         own = rngs[self.ctx.rank] if saved.world_size == self.ctx.world_size else rngs[0]
-        self.callbacks.load_state_dict(own.get("callbacks", {}))  # on another world size: rank 0's
+        self.callbacks.load_state_dict(own.get("callbacks", {}), rngs[0].get("callbacks", {}))  # another world: 0's
         if saved.world_size == self.ctx.world_size:
             set_rng_state(rngs[self.ctx.rank], self.ctx.device)
         else:
