@@ -106,3 +106,20 @@ def test_the_process_group_setup_never_makes_torch_a_local_name():
 
     code = distributed.__wrapped__.__code__
     assert "torch" not in code.co_varnames + code.co_cellvars
+
+
+def test_the_launcher_keeps_the_agent_s_restart_notice_and_drops_its_per_process_chatter(caplog):
+    """The workers are forked (torch.multiprocessing): when one fails, torch logs that it terminates the others.
+    A usage error of every worker must still be one line on stderr, so the launcher drops that chatter (a
+    stream test saw the line once in a while, depending on which worker exited first)."""
+    import logging
+
+    from ddptrain.parallel.launch import quiet_agent_logs
+
+    quiet_agent_logs()
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("torch.multiprocessing.spawn").warning("Terminating process %s via signal SIGTERM", 1)
+        logging.getLogger("torch.distributed.elastic.agent.server.api").warning(
+            "[default_role] Worker group FAILED. 1/1 attempts left; will restart worker group")
+    assert [r.getMessage() for r in caplog.records] == [
+        "[default_role] Worker group FAILED. 1/1 attempts left; will restart worker group"]

@@ -135,8 +135,10 @@ class _AgentNoise(logging.Filter):
 
 def quiet_agent_logs() -> None:
     noise = _AgentNoise()
+    # torch.multiprocessing.spawn: "Terminating process N via signal SIGTERM", when a forked worker's failure
+    # makes the agent stop its peers (a usage error is then one line, not two).
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api",
-                 "torch.distributed.elastic.agent.server.local_elastic_agent"):
+                 "torch.distributed.elastic.agent.server.local_elastic_agent", "torch.multiprocessing.spawn"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.INFO)
         if not any(isinstance(f, _AgentNoise) for f in logger.filters):
