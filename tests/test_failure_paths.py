@@ -123,3 +123,24 @@ def test_the_launcher_keeps_the_agent_s_restart_notice_and_drops_its_per_process
             "[default_role] Worker group FAILED. 1/1 attempts left; will restart worker group")
     assert [r.getMessage() for r in caplog.records] == [
         "[default_role] Worker group FAILED. 1/1 attempts left; will restart worker group"]
+
+
+def test_a_usage_error_reaches_the_terminal_in_one_write(monkeypatch):
+    # Under torchrun every rank writes the same line to one terminal; a line written in two pieces (print's text,
+    # then its newline) interleaves with a peer's into `...--run_dirddptrain: error: ...` (seen in CI).
+    from ddptrain import cli
+
+    writes: list[str] = []
+
+    class Terminal:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr("sys.stderr", Terminal())
+    monkeypatch.delenv("DDPTRAIN_LOCAL_LAUNCH", raising=False)
+    assert cli.main(["no-such-command"]) == 2
+    assert len(writes) == 1 and writes[0].startswith("ddptrain: error: unknown command") and writes[0].endswith("\n")

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                 "export": _lazy("ddptrain.tools.export"), "plan": _lazy("ddptrain.tools.plan"),
                 "prepare-text": _lazy("ddptrain.data.text")}
     if command not in handlers:
-        print(f"ddptrain: error: unknown command {command!r}; use one of {', '.join(handlers)}", file=sys.stderr)
+        say_error(f"unknown command {command!r}; use one of {', '.join(handlers)}")
         return EXIT_USAGE
     try:
         code = handlers[command](rest)
@@ -40,13 +40,20 @@ def main(argv: list[str] | None = None) -> int:
 
             record_for_launcher(exc)  # a worker of `--nproc`: the launcher prints each distinct error once
         else:
-            print(f"ddptrain: error: {exc}", file=sys.stderr)
+            say_error(str(exc))
         code = EXIT_USAGE
     except Preempted:
         code = EXIT_PREEMPTED
     except KeyboardInterrupt:
         code = 130
     return code
+
+
+def say_error(message: str) -> None:
+    """One `ddptrain: error:` line in one write: under torchrun every rank shares the terminal, and `print`'s two
+    writes (the text, then the newline) of two ranks can interleave into one garbled line."""
+    sys.stderr.write(f"ddptrain: error: {message}\n")
+    sys.stderr.flush()
 
 
 def _lazy(module: str):
