@@ -1,5 +1,6 @@
 """Experiment trackers (docs/trackers.md) against a real MLflow tracking server on loopback (SQLite backend in a
-temporary directory), read back through MLflow's own client. The last test stops that server mid-run."""
+temporary directory), read back through MLflow's own client, and W&B offline, read back from its run files in
+the run dir. The last test stops the MLflow server mid-run."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 # and the control vote every step acts on the signal at the next.
 JOB = ["--model", "fault_plugins:dropout_mlp", "--dataset", "fault_plugins:slow_augmented_synthetic",
        "--batch_size", "8", "--grad_accum_steps", "2", "--epochs", "2", "--save_every_steps", "4", "--keep_last", "0",
-       "--num_workers", "2", "--control_interval", "1", "--tracker", "mlflow"]
+       "--num_workers", "2", "--control_interval", "1"]
+MLFLOW = [*JOB, "--tracker", "mlflow"]
 STEPS = 16
 
 
@@ -75,8 +77,8 @@ class SimpleServer:
         return {"MLFLOW_TRACKING_URI": self.uri, "MLFLOW_EXPERIMENT_NAME": experiment}
 
 
-def _start(run_dir: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "ddptrain", "train", *TINY, *JOB, "--run_dir", str(run_dir), "--nproc", "2", *extra]
+def _start(run_dir: Path, env: dict[str, str], *extra: str, job: list[str] = MLFLOW) -> subprocess.Popen:
+    args = [sys.executable, "-m", "ddptrain", "train", *TINY, *job, "--run_dir", str(run_dir), "--nproc", "2", *extra]
     return subprocess.Popen(args, env=cli_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -114,7 +116,7 @@ def test_a_killed_preempted_and_rerun_job_is_one_mlflow_run_with_each_step_once(
     (run,) = _runs(client, experiment)
     assert client.get_run(run.info.run_id).info.status == "KILLED"
     assert run.data.tags["ddptrain.status"] == "preempted"
-    train(tmp_path, *JOB, "--callbacks", "callback_plugins:KillWhenTracked", nproc=2, env=server.env(experiment))
+    train(tmp_path, *MLFLOW, "--callbacks", "callback_plugins:KillWhenTracked", nproc=2, env=server.env(experiment))
 
     (run,) = _runs(client, experiment)
     run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
@@ -138,6 +140,55 @@ def test_a_missing_tracker_package_names_the_extra_and_an_unknown_tracker_is_ref
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=120)
     line = one_line_error(proc)
     assert "pip install 'ddptrain[mlflow]'" in line
+    proc = subprocess.run([sys.executable, "-c", script.replace("mlflow", "wandb")], capture_output=True, text=True,
+                          env=cli_env(), timeout=120)
+    assert "pip install 'ddptrain[wandb]'" in one_line_error(proc)
+
+
+def test_a_killed_preempted_and_rerun_job_is_one_offline_wandb_run_with_each_step_once(tmp_path):
+    """The MLflow test's job with --tracker wandb and WANDB_MODE=offline: W&B's run files in RUN_DIR/wandb/ (one
+    per attempt, the same run id) hold train/loss at every step 1..16 exactly once with metrics.jsonl's values,
+    the eval lines, the config; the preempted attempt exited 75 and the last one 0 with status finished."""
+    pytest.importorskip("wandb")
+    from ddptrain.observe.trackers import wandb_history, wandb_records, wandb_rows, wandb_run_files
+
+    env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "kill-preempt", "WANDB_SILENT": "true"}
+    job = [*JOB, "--tracker", "wandb", "--callbacks", "callback_plugins:KillWhenTracked"]
+    # W&B writes its run file in buffered pieces, so the test cannot watch it mid-run: rank 1 kills itself after
+    # step 7 unasked, and rank 0, stopped by the launcher, closes its W&B run with what it had (checked below).
+    (tmp_path / "tracked").touch()
+    proc = _start(tmp_path, env, "--max_restarts", "1", job=job)
+    wait_for(tmp_path / "checkpoints" / "step-8" / "manifest.json", proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 75, err
+    assert_restarted(proc_result(proc, err), tmp_path, from_step=4)
+    train(tmp_path, *job, nproc=2, env=env)
+
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["wandb"]["run_id"]
+    attempts = wandb_run_files(tmp_path, run_id)
+    assert sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*")) == [p.parent.name for p in attempts]
+    assert len(attempts) == 3, "the first incarnation, its restart and the rerun: one run id"
+    records = {path: list(wandb_records(path)) for path in attempts}
+    # The killed incarnation's file has lines past the step-4 checkpoint, so the restart replayed steps W&B had.
+    killed = [row["_step"] for row in wandb_rows(attempts[0]) if "train/loss" in row]
+    assert max(killed, default=0) >= 5, killed
+    rows = wandb_history(tmp_path, run_id)
+    losses = [(row["_step"], row["train/loss"]) for row in rows if "train/loss" in row]
+    assert sorted(step for step, _ in losses) == list(range(1, STEPS + 1)), "each log step exactly once"
+    assert dict(losses) == {r["step"]: r["loss"] for r in metrics(tmp_path, "train")}
+    assert sorted(row["_step"] for row in rows if "eval/loss" in row) == [8, 16]
+    first = [r for r in records[attempts[0]] if r.WhichOneof("record_type") == "run"][0].run
+    config = {item.key: json.loads(item.value_json) for item in first.config.update}
+    assert config["lr"] == 0.1 and config["grad_accum_steps"] == 2 and config["ddptrain.world_size"] == "2"
+
+    def ending(path: Path) -> tuple[int | None, str | None]:
+        exits = [r.exit.exit_code for r in records[path] if r.WhichOneof("record_type") == "exit"]
+        status = [json.loads(item.value_json) for r in records[path] if r.WhichOneof("record_type") == "summary"
+                  for item in r.summary.update if item.key == "ddptrain/status"]
+        return (exits[-1] if exits else None), (status[-1] if status else None)
+
+    assert ending(attempts[1]) == (75, "preempted") and ending(attempts[2]) == (0, "finished")
 
 
 def test_the_tracker_server_stopped_mid_run_costs_training_nothing(tmp_path, server):

@@ -196,12 +196,14 @@ class TrainConfig:
     tensorboard: bool = opt(False, "write TensorBoard events to RUN_DIR/tb/ (needs the tensorboard package)",
                             group="observability")
     tracker: str = opt("", "experiment trackers rank 0 sends every metrics line to, comma-separated: mlflow, "
-                       "tensorboard (= --tensorboard); one tracker run per run dir (docs/trackers.md)",
+                       "wandb, tensorboard (= --tensorboard); one tracker run per run dir (docs/trackers.md)",
                        group="observability")
     mlflow_tracking_uri: str = opt("", "--tracker mlflow: the tracking server or store (default: "
                                    "MLFLOW_TRACKING_URI, else MLflow's default)", group="observability")
     mlflow_experiment: str = opt("", "--tracker mlflow: the experiment (default: MLFLOW_EXPERIMENT_NAME, else "
                                  "'ddptrain')", group="observability")
+    wandb_project: str = opt("", "--tracker wandb: the project (default: WANDB_PROJECT, else 'ddptrain')",
+                             group="observability")
     tracker_run_name: str = opt("", "the tracker run's name (default: the run dir's name)", group="observability")
     tracker_log_model: bool = opt(False, "at the end of a finished run, send model.safetensors and config.toml to "
                                   "the trackers as artifacts", group="observability")
@@ -371,7 +373,7 @@ def _check_inject_fault(spec: str) -> None:
         FaultSpec.parse(spec, source="--inject_fault")
 
 
-TRACKERS = ("mlflow", "tensorboard")
+TRACKERS = ("mlflow", "wandb", "tensorboard")
 
 
 def parse_trackers(value: str) -> list[str]:

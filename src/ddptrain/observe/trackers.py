@@ -19,8 +19,10 @@ import logging
 import math
 import os
 import queue
+import struct
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from ddptrain.errors import UsageError
 
 log = logging.getLogger("ddptrain")
 
-EXTRAS = {"mlflow": ("mlflow", "mlflow")}  # tracker -> (module it imports, the pip extra that installs it)
+EXTRAS = {"mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}  # tracker -> (module it imports, the pip extra that installs it)
 STATE_FILE = "trackers.json"
 SENT_SPLITS = ("train", "eval")  # lines a tracker receives (memory lines are in metrics.jsonl only)
 SKIPPED_FIELDS = ("time", "step", "epoch", "split")
@@ -121,7 +123,7 @@ class Trackers:
 
     def __init__(self, names: list[str], run_dir: Path, cfg: Any, tags: dict[str, str]):
         self._workers: list[_Worker] = []
-        backends = {"mlflow": MlflowBackend}
+        backends = {"mlflow": MlflowBackend, "wandb": WandbBackend}
         for name in names:
             if name in backends:  # tensorboard is written by MetricSinks beside metrics.jsonl
                 self._workers.append(_Worker(backends[name](run_dir, cfg, tags)))
@@ -157,6 +159,12 @@ def _write_state(run_dir: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, run_dir / STATE_FILE)
 
 
+def resume_from(run_dir: Path, tracker: str, cfg: Any) -> dict[str, Any] | None:
+    """This run dir's tracker run to continue (its trackers.json entry), or None for a new one."""
+    known = _read_state(run_dir).get(tracker)
+    return known if known and cfg.auto_resume else None
+
+
 class MlflowBackend:
     """MLflow through its client: MLFLOW_TRACKING_URI (or --mlflow_tracking_uri), MLFLOW_EXPERIMENT_NAME (or
     --mlflow_experiment). Params: the resolved config, when the run is created. Metrics: each line's numbers at
@@ -180,8 +188,8 @@ class MlflowBackend:
 
         uri = self.cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
         self.client = client = MlflowClient(tracking_uri=uri)
-        known = _read_state(self.run_dir).get("mlflow")
-        if known and self.cfg.auto_resume:  # a restart, resume or rerun of this run dir's job: its run
+        known = resume_from(self.run_dir, "mlflow", self.cfg)
+        if known:  # a restart, resume or rerun of this run dir's job: its run
             self.run_id = known["run_id"]
             client.update_run(self.run_id, status="RUNNING")
             for split in SENT_SPLITS:
@@ -225,3 +233,120 @@ class MlflowBackend:
                     self.client.log_artifact(self.run_id, str(self.run_dir / name))
         self.client.log_batch(self.run_id, tags=[RunTag("ddptrain.status", status)])
         self.client.set_terminated(self.run_id, status=self.STATUS[status])
+
+
+class WandbBackend:
+    """Weights & Biases through `wandb.init`, configured as W&B configures itself (WANDB_MODE, WANDB_PROJECT,
+    WANDB_ENTITY, WANDB_API_KEY; --wandb_project overrides the project). Its files go to RUN_DIR/wandb/; with
+    WANDB_MODE=offline they are all there is until `wandb sync`. Config: the resolved config and the tags.
+    History: each line's numbers at its step. Exit: 0 finished, 1 failed, 75 preempted (marked preempting);
+    the summary's ddptrain/status says which."""
+
+    name = "wandb"
+    EXIT_CODES = {"finished": 0, "failed": 1, "preempted": 75}
+
+    def __init__(self, run_dir: Path, cfg: Any, tags: dict[str, str]):
+        self.run_dir, self.cfg, self.tags = run_dir, cfg, tags
+        self.sent_upto: dict[str, int] = {}
+
+    def open(self) -> None:
+        import wandb
+
+        known = resume_from(self.run_dir, "wandb", self.cfg)
+        run_id = known["run_id"] if known else uuid.uuid4().hex[:12]
+        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False)
+        self.run = wandb.init(
+            project=self.cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "ddptrain", id=run_id,
+            name=self.cfg.tracker_run_name or self.run_dir.name, dir=str(self.run_dir), resume="allow",
+            config=None if known else {**self.cfg.to_dict(), **self.tags}, settings=settings, reinit="create_new")
+        if not known:
+            _write_state(self.run_dir, {**_read_state(self.run_dir), "wandb": {
+                "run_id": run_id, "project": self.run.project, "mode": "offline" if self.run.offline else "online"}})
+            log.info("wandb: run %s in project %r (%s)", run_id, self.run.project,
+                     "offline: RUN_DIR/wandb/" if self.run.offline else self.run.url)
+            return
+        # The steps W&B has: the server's next step online; offline, this run dir's earlier offline runs.
+        if self.run.offline:
+            self.sent_upto = wandb_history_steps(self.run_dir, run_id, exclude=Path(self.run.dir).parent)
+        else:
+            self.sent_upto = dict.fromkeys(SENT_SPLITS, self.run.step - 1)
+        log.info("wandb: continuing run %s (it has train steps up to %d)", run_id, self.sent_upto.get("train", -1))
+
+    def log(self, record: dict[str, Any]) -> None:
+        split, step = record["split"], int(record["step"])
+        if step <= self.sent_upto.get(split, -1):
+            return  # a step trained again after a restart: W&B has its (bitwise equal) value
+        self.run.log(numeric_fields(record), step=step)
+        self.sent_upto[split] = step
+
+    def close(self, status: str) -> None:
+        import wandb
+
+        if status == "finished" and self.cfg.tracker_log_model:
+            artifact = wandb.Artifact(f"model-{self.run.id}", type="model")
+            for name in ("model.safetensors", "config.toml"):
+                if (self.run_dir / name).is_file():
+                    artifact.add_file(str(self.run_dir / name))
+            self.run.log_artifact(artifact)
+        self.run.summary["ddptrain/status"] = status
+        if status == "preempted":
+            self.run.mark_preempting()
+        self.run.finish(exit_code=self.EXIT_CODES[status])
+
+
+# W&B's run files (RUN_DIR/wandb/*-<id>/run-<id>.wandb) are a LevelDB-style log of protobuf records: a 7-byte
+# file header, then 32 KiB blocks of chunks, each with a 7-byte header (crc32, length, type: full, first,
+# middle, last); a block's tail shorter than a chunk header is zero padding.
+_WANDB_HEADER, _WANDB_BLOCK, _CHUNK = b":W&B", 32 * 1024, struct.Struct("<IHB")
+
+
+def wandb_records(path: Path):
+    """The records of one W&B run file as `wandb_internal_pb2.Record`s, up to the last complete one."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    if not data.startswith(_WANDB_HEADER):
+        return
+    pos, pending = 7, b""
+    while pos + _CHUNK.size <= len(data):
+        left = _WANDB_BLOCK - pos % _WANDB_BLOCK
+        _, length, kind = _CHUNK.unpack_from(data, pos)
+        if left < _CHUNK.size or (length == 0 and kind == 0):
+            pos += left  # padding up to the next block
+            continue
+        chunk = data[pos + _CHUNK.size:pos + _CHUNK.size + length]
+        if len(chunk) < length:
+            return  # a record still being written
+        pos += _CHUNK.size + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def wandb_run_files(run_dir: Path, run_id: str) -> list[Path]:
+    """This run's W&B run files in RUN_DIR/wandb/, oldest first (one per attempt)."""
+    return sorted(path for path in (run_dir / "wandb").glob(f"*-{run_id}/run-{run_id}.wandb")
+                  if not path.parent.is_symlink())
+
+
+def wandb_rows(path: Path) -> list[dict[str, Any]]:
+    """The history rows of one W&B run file, values decoded."""
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in wandb_records(path) if record.WhichOneof("record_type") == "history"]
+
+
+def wandb_history(run_dir: Path, run_id: str, exclude: Path | None = None) -> list[dict[str, Any]]:
+    """Every history row of the run's files in RUN_DIR/wandb/ (all attempts, oldest first)."""
+    return [row for path in wandb_run_files(run_dir, run_id) if path.parent != exclude for row in wandb_rows(path)]
+
+
+def wandb_history_steps(run_dir: Path, run_id: str, exclude: Path | None = None) -> dict[str, int]:
+    """split -> the last step of its lines in the run's local files."""
+    upto: dict[str, int] = {}
+    for row in wandb_history(run_dir, run_id, exclude):
+        for split in SENT_SPLITS:
+            if any(key.startswith(f"{split}/") for key in row):
+                upto[split] = max(upto.get(split, -1), int(row["_step"]))
+    return upto
