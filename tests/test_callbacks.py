@@ -175,3 +175,47 @@ def test_the_ema_of_a_killed_and_restarted_run_is_bitwise_the_uninterrupted_runs
     proc = train(run, *job, "--max_restarts", "1", nproc=2, env={"DDPTRAIN_FAULT": "rank=1,step=8,kind=sigkill"})
     assert_restarted(proc, run, from_step=6)
     assert_bitwise_equal(weights(run / "model_ema.safetensors"), weights(ref / "model_ema.safetensors"))
+
+
+def test_ema_eval_evaluates_the_average_and_changes_nothing_in_training(tmp_path):
+    """--ema_eval adds ema_<metric> to each eval line. With --lr 0 the average is the weights, so each ema_
+    metric equals its plain one bitwise; with --lr 0.1 they differ, and the weights and the average end bitwise
+    equal to a run that never evaluated the average (the swap gives the weights back exactly)."""
+    job = ["--epochs", "2", "--eval_every_steps", "2", "--ema_decay", "0.9"]
+    still, evaluated, plain = tmp_path / "still", tmp_path / "evaluated", tmp_path / "plain"
+    train(still, *job, "--ema_eval", "--lr", "0")
+    lines = metrics(still, "eval")
+    assert len(lines) >= 4 and all(r["step"] % 2 == 0 for r in lines)
+    assert all(r["ema_loss"] == r["loss"] and r["ema_accuracy"] == r["accuracy"] for r in lines), lines
+    train(evaluated, *job, "--ema_eval")
+    train(plain, *job)
+    assert all(r["ema_loss"] != r["loss"] for r in metrics(evaluated, "eval"))
+    assert not any("ema_loss" in r for r in metrics(plain, "eval"))
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        assert_bitwise_equal(weights(evaluated / name), weights(plain / name))
+
+
+BEST = ["--epochs", "2", "--eval_every_steps", "2", "--keep_best", "loss", "--keep_best_mode", "max",
+        "--save_every_steps", "4", "--keep_last", "1"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_best_checkpoint_is_kept_apart_from_retention_through_a_restart(tmp_path, strategy):
+    """--keep_best loss in mode max: the eval loss falls as the model learns, so the best is the first eval's,
+    at step 2. Not a save step (every 4) and outside --keep_last 1, step 2's checkpoint is CHECKPOINT_DIR/best,
+    also after rank 1 is killed at step 5 and the restart resumes from step 4 (a restart that forgot the best
+    value would keep step 6's); exported, its weights are bitwise a reference run's step-2 checkpoint's."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    proc = train(run, *BEST, "--strategy", strategy, "--max_restarts", "1", nproc=2,
+                 env={"DDPTRAIN_FAULT": "rank=1,step=5,kind=sigkill"})
+    assert_restarted(proc, run, from_step=4)
+    losses = {r["step"]: r["loss"] for r in metrics(run, "eval")}
+    assert sorted(losses) == [2, 4, 6, 8] and max(losses, key=losses.get) == 2, losses
+    assert [p.name for p in (run / "checkpoints").glob("step-*")] == ["step-8"]  # --keep_last 1
+    best = run / "checkpoints" / "best"
+    assert json.loads((best / "manifest.json").read_text())["step"] == 2
+    train(ref, "--epochs", "2", "--save_every_steps", "2", "--keep_last", "0", "--strategy", strategy, nproc=2)
+    for source, out in ((best, tmp_path / "best.safetensors"), (ref / "checkpoints" / "step-2", tmp_path / "ref.safetensors")):
+        exported = run_cli(["export", str(source), str(out)])
+        assert exported.returncode == 0, exported.stderr
+    assert_bitwise_equal(weights(tmp_path / "best.safetensors"), weights(tmp_path / "ref.safetensors"))

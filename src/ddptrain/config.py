@@ -177,9 +177,16 @@ class TrainConfig:
                                choices=("min", "max"), group="evaluation and stopping")
     early_stop_min_delta: float = opt(0.0, "early stopping: the least change that counts as an improvement",
                                       min=0.0, group="evaluation and stopping")
+    keep_best: str = opt("", "keep the checkpoint with the best value of this eval metric (loss, accuracy, ...) as "
+                         "CHECKPOINT_DIR/best, apart from --keep_last (empty = off)",
+                         group="evaluation and stopping")
+    keep_best_mode: str = opt("min", "--keep_best: whether lower or higher values of the metric are better",
+                              choices=("min", "max"), group="evaluation and stopping")
     ema_decay: float = opt(0.0, "keep an exponential moving average of the parameters with this decay (e.g. 0.999; "
                             "0 = off), saved in checkpoints and exported as RUN_DIR/model_ema.safetensors", min=0.0,
                             group="evaluation and stopping")
+    ema_eval: bool = opt(False, "--ema_decay: also evaluate the average at each evaluation (ema_loss, "
+                         "ema_accuracy, ... in the eval line)", group="evaluation and stopping")
     max_time: str = opt("", "save and exit with code 75 (rerun to continue) once this much wall time has passed "
                         "since the launch: seconds or [D-]HH:MM:SS, below the scheduler's limit by the time a save "
                         "takes (empty = no limit)", group="evaluation and stopping")
@@ -308,6 +315,9 @@ class TrainConfig:
             parse_duration(self.max_time, "--max_time")
         if self.ema_decay >= 1.0:
             raise UsageError(f"--ema_decay {self.ema_decay}: must be below 1 (0.999 averages over ~1000 steps; 0 is off)")
+        if self.ema_eval and not self.ema_decay:
+            raise UsageError("--ema_eval evaluates the moving average of --ema_decay, which is off; set --ema_decay "
+                             "(e.g. 0.999)")
         if "tensorboard" in parse_trackers(self.tracker):
             self.tensorboard = True
         for ref in filter(None, (r.strip() for r in self.callbacks.split(","))):

@@ -45,6 +45,7 @@ FORMAT = "ddptrain-checkpoint/1"
 MANIFEST = "manifest.json"
 ABANDONED = "abandoned"  # checkpoints of lines a run did not continue, moved aside by `start_line`
 STEP_DIR = re.compile(r"^step-(\d+)$")
+BEST = "best"  # --keep_best: the checkpoint with the best eval metric, apart from retention
 log = logging.getLogger("ddptrain")
 
 
@@ -161,6 +162,41 @@ def safetensors_bytes(state: dict[str, torch.Tensor], metadata: dict[str, str]) 
         tensors[name] = value.clone() if memory in seen else value
         seen.add(memory)
     return safetensors.torch.save(tensors, metadata=metadata)
+
+
+def keep_as_best(directory: Path, step_dir: Path) -> Path:
+    """Make DIRECTORY/best a copy of the committed checkpoint `step_dir`, by hard links (a committed checkpoint's
+    files are never written again; a copy where links are refused). Retention deletes step dirs, not best/.
+    A reader sees the old best/ or the new one, or, after a crash between the two renames, none and a
+    .best.old beside it."""
+    tmp, old, best = directory / f".{BEST}.tmp", directory / f".{BEST}.old", directory / BEST
+    shutil.rmtree(tmp, ignore_errors=True)
+    for source in sorted(step_dir.rglob("*")):
+        target = tmp / source.relative_to(step_dir)
+        if source.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+    if not (tmp / MANIFEST).is_file():
+        raise CheckpointError(f"{step_dir} is not a committed checkpoint (no {MANIFEST})")
+    shutil.rmtree(old, ignore_errors=True)
+    if best.exists():
+        best.rename(old)
+    tmp.rename(best)
+    shutil.rmtree(old, ignore_errors=True)
+    return best
+
+
+def manifest_step(path: Path) -> int | None:
+    """The step in `path`'s manifest, or None where it has none readable."""
+    try:
+        return int(json.loads((path / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def committed_steps(directory: Path) -> list[tuple[int, Path]]:

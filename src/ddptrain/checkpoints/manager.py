@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ddptrain.checkpoints import shards
 from ddptrain.checkpoints.format import (
     ABANDONED,
+    BEST,
     MANIFEST,
     STEP_DIR,
     CheckpointError,
@@ -32,6 +33,8 @@ from ddptrain.checkpoints.format import (
     committed_steps,
     cpu_copy,
     file_digest,
+    keep_as_best,
+    manifest_step,
     prepare_step_dir,
     read_origin,
     write_atomic,
@@ -66,15 +69,17 @@ class CheckpointManager:
         self.last_saved_step = -1  # the newest step whose checkpoint every rank agreed committed
         self.origin = ""  # the --resume_from checkpoint that started this run's line, recorded in manifests
 
-    def save(self, position: Position, make_snapshot: Callable[[], Snapshot], rng_state: dict[str, Any]) -> None:
+    def save(self, position: Position, make_snapshot: Callable[[], Snapshot], rng_state: dict[str, Any],
+             best: bool = False) -> None:
         """Gather every rank's RNG state, write and commit on rank 0, agree on the outcome. All ranks.
 
+        `best`: once committed, the checkpoint also becomes DIRECTORY/best (before retention runs).
         `make_snapshot` runs on rank 0 only. With async saves the state is copied to the CPU here, on the
         training thread, and written by a background thread; the next save (or `wait`) reports its fate.
         """
         self.wait()  # one save in flight at most; also surfaces a failed background write
         if self.sharded:
-            return self._save_sharded(position, make_snapshot, self.ctx.all_gather_object(rng_state))
+            return self._save_sharded(position, make_snapshot, self.ctx.all_gather_object(rng_state), best)
         # Every rank's part of a full checkpoint is its RNG state: gathered with any failure to take it, so
         # that rank 0 writes nothing unless every rank got this far.
         gathered = self.ctx.all_gather_object((rng_state, self._snapshot_error(position.step)))
@@ -89,9 +94,9 @@ class CheckpointManager:
                     # wait() above joined the previous writer, so its staging copy is free to overwrite.
                     self._staging = cpu_copy((snap.model, snap.optimizer, snap.trainer), self._staging)
                     snap = Snapshot(snap.position, *self._staging, snap.config, snap.origin)
-                    self._in_background(lambda: self._write_and_retain(snap), "ddptrain-checkpoint-writer")
+                    self._in_background(lambda: self._write_and_retain(snap, best), "ddptrain-checkpoint-writer")
                 else:
-                    error = self._write_and_retain(snap)
+                    error = self._write_and_retain(snap, best)
             except Exception as exc:  # a failure before writing: still every rank's error
                 error = f"{type(exc).__name__}: {exc}"
         self._agree(error, position.step)
@@ -105,7 +110,8 @@ class CheckpointManager:
             self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
         return self._group
 
-    def _save_sharded(self, position: Position, make_snapshot: Callable[[], Snapshot], rng: list[Any]) -> None:
+    def _save_sharded(self, position: Position, make_snapshot: Callable[[], Snapshot], rng: list[Any],
+                      best: bool) -> None:
         """Every rank writes its shards (DCP); rank 0 commits once all reported theirs written. All ranks.
 
         Every rank's snapshot is agreed on before DCP's first collective: a rank that fails before it would
@@ -131,13 +137,14 @@ class CheckpointManager:
         except SAVE_ERRORS as exc:  # DCP's collective save raises on every rank when one rank's write failed
             error = _failure(exc, self.ctx.rank)
         if written is not None and self.async_save:
-            self._in_background(lambda: self._commit_shards(written, snap, target), "ddptrain-checkpoint-commit")
+            self._in_background(lambda: self._commit_shards(written, snap, target, best),
+                                "ddptrain-checkpoint-commit")
         elif written is not None:
-            error = self._commit_shards(written, snap, target)
+            error = self._commit_shards(written, snap, target, best)
         self._agree(error, step)
         self._saved(step)
 
-    def _commit_shards(self, written: Any, snap: Snapshot, target: Path) -> str | None:
+    def _commit_shards(self, written: Any, snap: Snapshot, target: Path, best: bool) -> str | None:
         """Each rank hashes its own files once written and reports to rank 0, which writes trainer.pt and the
         manifest only if every rank succeeded. All ranks; returns this rank's own failure, or None (rank 0:
         also when a peer failed, which that peer reports)."""
@@ -170,6 +177,8 @@ class CheckpointManager:
             return message
         log.info("checkpoint committed: %s (%d shard files, %.2f s)", target, len(files) - 1,
                  time.perf_counter() - started)
+        if best:
+            self._keep_best(target)
         self.purge(keep_step=snap.position.step)
         return None
 
@@ -240,7 +249,7 @@ class CheckpointManager:
         if failed:
             raise TrainingError(f"checkpoint of step {step} failed on {'; '.join(failed)}")
 
-    def _write_and_retain(self, snap: Snapshot) -> str | None:
+    def _write_and_retain(self, snap: Snapshot, best: bool) -> str | None:
         """Rank 0: write, commit, purge. Returns the failure as one line, or None."""
         started = time.perf_counter()
         try:
@@ -250,8 +259,24 @@ class CheckpointManager:
             log.error("checkpoint of step %d not committed: %s", snap.position.step, message)
             return message
         log.info("checkpoint committed: %s (%.2f s)", path, time.perf_counter() - started)
+        if best:
+            self._keep_best(path)
         self.purge(keep_step=snap.position.step)
         return None
+
+    def keep_best(self, step: int) -> None:
+        """Make the checkpoint of `step`, saved already (perhaps in flight), DIRECTORY/best. All ranks."""
+        self.wait()
+        if self.ctx.is_main and self.last_saved_step == step:
+            self._keep_best(self.directory / f"step-{step}")
+
+    def _keep_best(self, step_dir: Path) -> None:
+        """Rank 0. The checkpoint committed, so a failure here is logged as an error, not training's."""
+        try:
+            log.info("best checkpoint: %s", keep_as_best(self.directory, step_dir))
+        except Exception as exc:
+            log.error("best checkpoint: could not keep %s as %s (%s: %s); the checkpoint itself is committed",
+                      step_dir, self.directory / BEST, type(exc).__name__, exc)
 
     def purge(self, keep_step: int) -> None:
         """Delete committed checkpoints beyond `keep_last` and stale partial dirs. Rank 0; never raises.
@@ -297,6 +322,9 @@ class CheckpointManager:
         start_step, start_path = (loaded.position.step, loaded.path.resolve()) if loaded else (0, None)
         stale = [p for step, p in committed_steps(self.directory)
                  if step > start_step or (step == start_step and p.resolve() != start_path)]
+        best_step = manifest_step(self.directory / BEST)
+        if best_step is not None and best_step > start_step:
+            stale.append(self.directory / BEST)  # the best of a line this run does not continue
         if not stale:
             return
         stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-at-step-{start_step}"

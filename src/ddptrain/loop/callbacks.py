@@ -4,7 +4,8 @@ A callback is any object with some of `Callback`'s methods. The Trainer calls `o
 `on_step_end`, `on_eval`, `on_checkpoint` and `on_train_end` on every rank, `on_log` on rank 0; each gets the
 `TrainingRun`, the callback's view of the loop. `state_dict`/`load_state_dict` ride in each rank's part of a
 checkpoint (`CheckpointedState.rank_state`). `TrainingRun.request_stop` travels in the control vote, so every
-rank stops at the same step. Built on it: `EarlyStopping` (--early_stop_metric).
+rank stops at the same step. Built on it: `EarlyStopping` (--early_stop_metric), `BestCheckpoint`
+(--keep_best), `EMA` (--ema_decay).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class TrainingRun:
         self._trainer = trainer
         self.stop_reason: str | None = None  # this rank's request, until the vote carries it
         self.stop_now = False  # the request is the same on every rank at this step: no vote needed
+        self.best_wanted = False  # keep_as_best was called: the next save (at this step) is also best/
 
     step = property(lambda self: self._trainer.position.step, doc="optimizer steps done")
     epoch = property(lambda self: self._trainer.position.epoch)
@@ -62,6 +64,12 @@ class TrainingRun:
         if self.stop_reason is None:
             self.stop_reason = reason
             self.stop_now = same_on_every_rank
+
+
+    def keep_as_best(self) -> None:
+        """Save a checkpoint at this step (unless one is) and keep it as CHECKPOINT_DIR/best, apart from
+        retention. Every rank must call it at the same step (a decision on eval metrics is)."""
+        self.best_wanted = True
 
 
 class Callbacks:
@@ -116,6 +124,36 @@ def load_callbacks(refs: str) -> list[Any]:
     return out
 
 
+class MetricWatch:
+    """The best value so far of one eval metric, lower (`min`) or higher (`max`) being better, for the
+    built-ins that watch one; `flag` names the option in errors."""
+
+    def __init__(self, metric: str, mode: str, flag: str, min_delta: float = 0.0):
+        if mode not in ("min", "max"):
+            raise UsageError(f"{flag}: mode {mode!r}: use min or max")
+        self.metric, self.mode, self.flag, self.min_delta = metric, mode, flag, min_delta
+        self.best: float | None = None
+        self.best_step = -1
+
+    def improved(self, metrics: dict[str, Any], step: int) -> bool:
+        """Whether this eval's value beats the best by more than min_delta (it then becomes the best)."""
+        if self.metric not in metrics:
+            shown = ", ".join(k for k, v in metrics.items() if isinstance(v, float))
+            raise UsageError(f"{self.flag} {self.metric!r}: the eval reports no such metric; use one of {shown}")
+        value = float(metrics[self.metric])
+        if self.best is not None and not (value < self.best - self.min_delta if self.mode == "min"
+                                          else value > self.best + self.min_delta):
+            return False
+        self.best, self.best_step = value, step
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_step": self.best_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.best_step = state["best"], state["best_step"]
+
+
 class EarlyStopping(Callback):
     """Stop when eval `metric` has not improved by more than `min_delta` for `patience` evaluations in a row
     (`--early_stop_metric`, `--early_stop_patience`, `--early_stop_mode`, `--early_stop_min_delta`).
@@ -127,35 +165,48 @@ class EarlyStopping(Callback):
     name = "early_stopping"
 
     def __init__(self, metric: str, patience: int, mode: str = "min", min_delta: float = 0.0):
-        if mode not in ("min", "max"):
-            raise UsageError(f"--early_stop_mode {mode!r}: use min or max")
-        self.metric, self.patience, self.mode, self.min_delta = metric, patience, mode, min_delta
-        self.best: float | None = None
-        self.best_step = -1
+        self.watch = MetricWatch(metric, mode, "--early_stop_metric", min_delta)
+        self.patience = patience
         self.bad_evals = 0
 
     def on_eval(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
-        if self.metric not in metrics:
-            shown = ", ".join(k for k, v in metrics.items() if isinstance(v, float))
-            raise UsageError(f"--early_stop_metric {self.metric!r}: the eval reports no such metric; use one of "
-                             f"{shown}")
-        value = float(metrics[self.metric])
-        better = (self.best is None
-                  or (value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta))
-        if better:
-            self.best, self.best_step, self.bad_evals = value, run.step, 0
+        watch = self.watch
+        if watch.improved(metrics, run.step):
+            self.bad_evals = 0
             return
         self.bad_evals += 1
         if self.bad_evals >= self.patience:
-            run.request_stop(f"early stopping: eval {self.metric} has not improved on {self.best:.6g} (step "
-                             f"{self.best_step}) for {self.bad_evals} evaluations (--early_stop_patience "
+            run.request_stop(f"early stopping: eval {watch.metric} has not improved on {watch.best:.6g} (step "
+                             f"{watch.best_step}) for {self.bad_evals} evaluations (--early_stop_patience "
                              f"{self.patience})", same_on_every_rank=True)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "best_step": self.best_step, "bad_evals": self.bad_evals}
+        return {**self.watch.state_dict(), "bad_evals": self.bad_evals}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best, self.best_step, self.bad_evals = state["best"], state["best_step"], state["bad_evals"]
+        self.watch.load_state_dict(state)
+        self.bad_evals = state["bad_evals"]
+
+
+class BestCheckpoint(Callback):
+    """Keep the checkpoint of the best eval `metric` as CHECKPOINT_DIR/best (`--keep_best`, `--keep_best_mode`):
+    an eval that improves on the best saves a checkpoint at its step, which becomes best/ once committed. Its
+    best value rides in checkpoints, so a restarted run compares with the best before it."""
+
+    name = "best_checkpoint"
+
+    def __init__(self, metric: str, mode: str = "min"):
+        self.watch = MetricWatch(metric, mode, "--keep_best")
+
+    def on_eval(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
+        if self.watch.improved(metrics, run.step):
+            run.keep_as_best()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.watch.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.watch.load_state_dict(state)
 
 
 class EMA(Callback):

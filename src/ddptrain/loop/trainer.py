@@ -31,7 +31,7 @@ from ddptrain.data.pipeline import BatchLayout, build_datasets, epoch_batches
 from ddptrain.data.streams import stream_batches
 from ddptrain.errors import EXIT_PREEMPTED, Preempted, TrainingError, UsageError
 from ddptrain.faults import FaultInjector
-from ddptrain.loop.callbacks import EMA, Callbacks, EarlyStopping, TrainingRun, load_callbacks
+from ddptrain.loop.callbacks import EMA, BestCheckpoint, Callbacks, EarlyStopping, TrainingRun, load_callbacks
 from ddptrain.loop.evaluator import Evaluator
 from ddptrain.loop.loaders import build_loaders
 from ddptrain.loop.normalise import LossNormaliser
@@ -187,6 +187,8 @@ class Trainer(CheckpointedState):
         if cfg.early_stop_metric:
             callbacks.append(EarlyStopping(cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_mode,
                                            cfg.early_stop_min_delta))
+        if cfg.keep_best:
+            callbacks.append(BestCheckpoint(cfg.keep_best, cfg.keep_best_mode))
         self.callbacks = Callbacks(callbacks)
         self.run_view = TrainingRun(self)
         if self.callbacks and self.ctx.is_main:
@@ -249,7 +251,7 @@ class Trainer(CheckpointedState):
                 if self._last_eval.get("step") != pos.step:
                     self.evaluate()
                 pos.epoch, pos.cursor = pos.epoch + 1, 0
-                if cfg.save_every and pos.epoch % cfg.save_every == 0:
+                if (cfg.save_every and pos.epoch % cfg.save_every == 0) or self.run_view.best_wanted:
                     self.save()
 
             # The end: log the partial window, evaluate if the last epoch ended early, final save.
@@ -299,9 +301,9 @@ class Trainer(CheckpointedState):
             self.train_log.write_memory(held, pos.step, pos.epoch, cfg.strategy)
         if pos.step % cfg.log_interval == 0:
             self._log_train(bar)
+        self.callbacks.call("on_step_end", self.run_view)  # before the step's eval: it sees the EMA of this step
         if cfg.eval_every_steps and pos.step % cfg.eval_every_steps == 0:
             self.evaluate()
-        self.callbacks.call("on_step_end", self.run_view)
         self._between_steps()
 
     # ------------------------------------------------------------------------------------------
@@ -408,6 +410,10 @@ class Trainer(CheckpointedState):
         self.watchdog.phase("eval")
         self.parallel.sync_buffers()
         result = self.evaluator.evaluate(self.module, heartbeat=lambda: self.watchdog.phase("eval"))
+        if result and self.ema is not None and self.cfg.ema_eval:
+            with self.ema.swapped_in(self.module):
+                averaged = self.evaluator.evaluate(self.module, heartbeat=lambda: self.watchdog.phase("eval"))
+            result.update({f"ema_{key}": value for key, value in averaged.items() if key != "samples"})
         pos = self.position
         if not result:
             self._last_eval = {"step": pos.step}  # no eval set: nothing to evaluate at this step either
@@ -453,19 +459,23 @@ class Trainer(CheckpointedState):
                 log.warning("time limit %s reached: checkpoint of step %d committed; exiting with %d (run the "
                             "same command to continue)", signal_name, step, EXIT_PREEMPTED)
             raise Preempted(step, signal_name)
-        if timed or (cfg.save_every_steps and step % cfg.save_every_steps == 0):
+        if timed or (cfg.save_every_steps and step % cfg.save_every_steps == 0) or self.run_view.best_wanted:
             self.save()
 
     def save(self) -> None:
-        """Checkpoint the current position (skipped if this step is already saved). All ranks."""
+        """Checkpoint the current position (skipped if this step is already saved), kept as best/ if a callback
+        asked. All ranks."""
         self.train_log.finish()  # a checkpoint's window starts after the last line: that line must be written
+        best, self.run_view.best_wanted = self.run_view.best_wanted, False
         if self.position.step == self.checkpoints.pending_step:
+            if best:
+                self.checkpoints.keep_best(self.position.step)
             return
         self.watchdog.phase("checkpoint")
         if self._sample_log is not None:
             self._sample_log.flush()
         self.parallel.sync_buffers()
-        self.checkpoints.save(Position(**vars(self.position)), self.snapshot, self.rank_state())
+        self.checkpoints.save(Position(**vars(self.position)), self.snapshot, self.rank_state(), best)
         self._last_save_time = time.monotonic()
         self._announce_checkpoint()
 
