@@ -157,6 +157,12 @@ def _settle(size: str) -> float:
 
 # --- overhead ------------------------------------------------------------------------------------
 
+def tracked_flags(work: Path) -> list[str]:
+    """MLflow in a local SQLite store (its writes on the tracker thread, on the cores training uses) and an EMA
+    of the weights updated after every step; metrics at the default --log_interval."""
+    return ["--tracker", "mlflow", "--mlflow_tracking_uri", f"sqlite:///{work / 'mlflow.db'}", "--ema_decay", "0.999"]
+
+
 def overhead(size: str, work: Path) -> Plan:
     """ddptrain's Trainer vs the raw DDP loop, same model/data/processes, in alternating blocks of K steps.
 
@@ -166,6 +172,7 @@ def overhead(size: str, work: Path) -> Plan:
     conv = net(BENCH_NET, size)
     cases = [("overhead", "overhead, default features", conv, 0.99),
              ("overhead_observed", "overhead, all observability on", [*conv, *OBSERVED], 0.97),
+             ("overhead_tracked", "overhead, a tracker and an EMA on", [*conv, *tracked_flags(work)], 0.97),
              ("overhead_lm", "overhead, language model (GPT)", lm_flags(size, work), LM_TARGET),
              ("overhead_masked_lm", "overhead, padded masked LM (token-weighted)",
               [*net(LM_NET, size), *net(MASKED_LM, size)], LM_TARGET)]
