@@ -291,9 +291,10 @@ def test_progress_bar_draws_on_rank_0_only_under_a_terminal(tmp_path):
     assert BAR_MARK not in rank1 and b"\r" not in rank1.replace(b"\r\n", b"")
 
 
-def test_tensorboard_missing_is_a_usage_error_at_the_edge(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("flags", [["--tensorboard"], ["--tracker", "tensorboard"]])
+def test_tensorboard_missing_is_a_usage_error_at_the_edge(monkeypatch, capsys, tmp_path, flags):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard -> ImportError
-    code = cli.main(["train", "--tensorboard", "--run_dir", str(tmp_path / "run")])
+    code = cli.main(["train", *flags, "--run_dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert "pip install 'ddptrain[tensorboard]'" in err[0]

@@ -116,7 +116,8 @@ def test_a_killed_preempted_and_rerun_job_is_one_mlflow_run_with_each_step_once(
     (run,) = _runs(client, experiment)
     assert client.get_run(run.info.run_id).info.status == "KILLED"
     assert run.data.tags["ddptrain.status"] == "preempted"
-    train(tmp_path, *MLFLOW, "--callbacks", "callback_plugins:KillWhenTracked", nproc=2, env=server.env(experiment))
+    train(tmp_path, *MLFLOW, "--callbacks", "callback_plugins:KillWhenTracked", "--tracker_log_model", nproc=2,
+          env=server.env(experiment))
 
     (run,) = _runs(client, experiment)
     run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
@@ -130,6 +131,9 @@ def test_a_killed_preempted_and_rerun_job_is_one_mlflow_run_with_each_step_once(
     evals = client.get_metric_history(run_id, "eval/loss")
     assert sorted(m.step for m in evals) == [8, 16]  # the epochs' ends, each once
     assert {"eval/accuracy", "train/samples_per_sec", "train/grad_norm"} <= set(run.data.metrics)
+    artifacts = {a.path: a.file_size for a in client.list_artifacts(run_id)}
+    assert artifacts == {"model.safetensors": (tmp_path / "model.safetensors").stat().st_size,
+                         "config.toml": (tmp_path / "config.toml").stat().st_size}
 
 
 def test_a_missing_tracker_package_names_the_extra_and_an_unknown_tracker_is_refused(tmp_path):
