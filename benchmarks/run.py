@@ -40,7 +40,7 @@ def error_rows(name: str, exc: BaseException) -> tuple[list[Row], str]:
     return [Row(name, name, "-", "-", "ERROR", "-", False, message.splitlines()[0])], message
 
 
-ALL = ["overhead", "accumulation", "checkpoint", "data", "startup", "scaling", "sharding", "recompute", "options"]
+ALL = ["overhead", "small_steps", "accumulation", "checkpoint", "data", "startup", "scaling", "sharding", "recompute", "options"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,6 +74,13 @@ MASKED_LM = {"full": ["--dataset", "benchmarks.workloads:masked_text", "--datase
              "tiny": ["--dataset", "benchmarks.workloads:masked_text", "--dataset_size", "2048"]}
 
 
+# Small, fast steps: 3x32x32 inputs, one hidden layer of 352 (1.09M parameters), ~15-20 ms a step on one core.
+SMALL_MLP = {"full": ["--model", "mlp", "--width", "352", "--image_size", "32", "--batch_size", "64",
+                      "--num_workers", "0", "--dataset_size", "100000", "--eval_size", "16"],
+             "tiny": ["--model", "mlp", "--width", "32", "--image_size", "8", "--batch_size", "8",
+                      "--num_workers", "0", "--dataset_size", "4096", "--eval_size", "16"]}
+
+
 def net(table: dict[str, list[str]], size: str) -> list[str]:
     return table["tiny" if size == "tiny" else "full"]
 
@@ -168,14 +175,27 @@ def overhead(size: str, work: Path) -> Plan:
 
     32 pairs at full size: on a shared 2-core VM one pair's ratio spreads ±10 % (steal time, loader workers
     on the same cores), and the median of 16 moved by ±4 % between runs of one tree."""
-    block, rounds, warmup = {"full": (10, 32, 1), "quick": (10, 6, 1), "tiny": (2, 2, 1)}[size]
     conv = net(BENCH_NET, size)
-    cases = [("overhead", "overhead, default features", conv, 0.99),
-             ("overhead_observed", "overhead, all observability on", [*conv, *OBSERVED], 0.97),
-             ("overhead_tracked", "overhead, a tracker and an EMA on", [*conv, *tracked_flags(work)], 0.97),
-             ("overhead_lm", "overhead, language model (GPT)", lm_flags(size, work), LM_TARGET),
-             ("overhead_masked_lm", "overhead, padded masked LM (token-weighted)",
-              [*net(LM_NET, size), *net(MASKED_LM, size)], LM_TARGET)]
+    return interleaved(size, [
+        ("overhead", "overhead, default features", conv, 0.99),
+        ("overhead_observed", "overhead, all observability on", [*conv, *OBSERVED], 0.97),
+        ("overhead_tracked", "overhead, a tracker and an EMA on", [*conv, *tracked_flags(work)], 0.97),
+        ("overhead_lm", "overhead, language model (GPT)", lm_flags(size, work), LM_TARGET),
+        ("overhead_masked_lm", "overhead, padded masked LM (token-weighted)",
+         [*net(LM_NET, size), *net(MASKED_LM, size)], LM_TARGET)], work)
+
+
+def small_steps(size: str, work: Path) -> Plan:
+    """The overhead on small, fast steps, where ddptrain's fixed per-step cost shows: a 1.1M-parameter MLP on
+    in-memory synthetic images, batch 64 per rank, no loader workers, SGD with momentum, default logging."""
+    return interleaved(size, [("overhead_small", "overhead, small steps (1.1M-param MLP, no loader workers)",
+                               net(SMALL_MLP, size), 0.99)], work, block_steps=20)
+
+
+def interleaved(size: str, cases: list[tuple[str, str, list[str], float]], work: Path,
+                block_steps: int = 10) -> Plan:
+    """One launch per case, ddptrain and the raw loop alternating blocks inside it; a row per case."""
+    block, rounds, warmup = {"full": (block_steps, 32, 1), "quick": (block_steps, 6, 1), "tiny": (2, 2, 1)}[size]
     blocks = rounds + warmup
     launches = [Launch(key, 2, [{"name": key, "mode": "interleave", "block_steps": block, "blocks": blocks,
                                  "settle_s": _settle(size),
@@ -653,5 +673,5 @@ def recompute(size: str, work: Path) -> Plan:
     return Plan(launches, finish)
 
 
-SECTIONS = {"overhead": overhead, "accumulation": accumulation, "checkpoint": checkpoint, "data": data,
+SECTIONS = {"overhead": overhead, "small_steps": small_steps, "accumulation": accumulation, "checkpoint": checkpoint, "data": data,
             "startup": startup, "scaling": scaling, "sharding": sharding, "recompute": recompute}

@@ -21,7 +21,7 @@ from helpers import REPO
 from benchmarks.common import Row, paired_ratios, render_table
 from benchmarks.probe import CpuAccount, Interleave, PhaseClock, StepProbe
 
-SECTION_KEYS = {"overhead", "overhead_observed", "overhead_tracked", "overhead_lm", "accumulation", "checkpoint", "data_synthetic", "data_cifar",
+SECTION_KEYS = {"overhead", "overhead_observed", "overhead_tracked", "overhead_small", "overhead_lm", "accumulation", "checkpoint", "data_synthetic", "data_cifar",
                 "startup", "scaling_miniresnet", "scaling_mlp", "overhead_fsdp", "fsdp_vs_ddp", "fsdp_accumulation"}
 
 
@@ -57,7 +57,7 @@ def test_every_section_reports_a_row_with_a_verdict(tiny_bench):
 
 def test_interleaved_comparisons_pair_every_block(tiny_bench):
     rows = rows_by_key(tiny_bench[0])
-    for key in ("overhead", "overhead_observed", "overhead_tracked", "overhead_lm"):
+    for key in ("overhead", "overhead_observed", "overhead_tracked", "overhead_small", "overhead_lm"):
         data = rows[key]["data"]
         assert len(data["ours_s"]) == len(data["theirs_s"]) == len(data["ratios"]) + 1  # one warm-up pair
         assert all(t > 0 and math.isfinite(t) for t in data["ours_s"] + data["theirs_s"])
