@@ -191,12 +191,18 @@ def keep_as_best(directory: Path, step_dir: Path) -> Path:
     return best
 
 
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """`path`'s manifest, or None where it has none readable."""
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def manifest_step(path: Path) -> int | None:
     """The step in `path`'s manifest, or None where it has none readable."""
-    try:
-        return int(json.loads((path / MANIFEST).read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    manifest = read_manifest(path)
+    return manifest.get("step") if isinstance(manifest, dict) else None
 
 
 def committed_steps(directory: Path) -> list[tuple[int, Path]]:
@@ -317,10 +323,8 @@ def _safe_torch_load(data: bytes, name: str, device: torch.device) -> Any:
 
 def read_origin(path: Path) -> str | None:
     """The `--resume_from` checkpoint that started the line `path` belongs to ("" for none; None if unreadable)."""
-    try:
-        return json.loads((path / MANIFEST).read_text()).get("origin", "")
-    except (OSError, ValueError):
-        return None
+    manifest = read_manifest(path)
+    return manifest.get("origin", "") if isinstance(manifest, dict) else None
 
 
 def continues_line(directory: Path, explicit: str) -> bool:

@@ -65,7 +65,6 @@ class TrainingRun:
             self.stop_reason = reason
             self.stop_now = same_on_every_rank
 
-
     def keep_as_best(self) -> None:
         """Save a checkpoint at this step (unless one is) and keep it as CHECKPOINT_DIR/best, apart from
         retention. Every rank must call it at the same step (a decision on eval metrics is)."""

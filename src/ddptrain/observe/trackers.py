@@ -26,11 +26,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ddptrain.errors import UsageError
+from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, UsageError
 
 log = logging.getLogger("ddptrain")
 
-EXTRAS = {"mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}  # tracker -> (module it imports, the pip extra that installs it)
+# tracker -> (the module it imports, the pip extra that installs it)
+EXTRAS = {"mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
 STATE_FILE = "trackers.json"
 SENT_SPLITS = ("train", "eval")  # lines a tracker receives (memory lines are in metrics.jsonl only)
 SKIPPED_FIELDS = ("time", "step", "epoch", "split")
@@ -243,7 +244,7 @@ class WandbBackend:
     the summary's ddptrain/status says which."""
 
     name = "wandb"
-    EXIT_CODES = {"finished": 0, "failed": 1, "preempted": 75}
+    EXIT_CODES = {"finished": 0, "failed": EXIT_FAILURE, "preempted": EXIT_PREEMPTED}
 
     def __init__(self, run_dir: Path, cfg: Any, tags: dict[str, str]):
         self.run_dir, self.cfg, self.tags = run_dir, cfg, tags
