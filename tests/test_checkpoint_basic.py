@@ -80,3 +80,22 @@ def test_resume_from_a_hostile_checkpoint_exits_2_without_running_it(pair: Path,
     assert "--resume_from" in line and "optimizer.pt refused" in line, line
     assert not sentinel.exists(), "the checkpoint's code ran"
     assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_a_ddp_process_does_not_import_sharded_checkpointing():
+    """torch.distributed.checkpoint (DCP) pulls in DTensor and sympy, ~1 s of CPU at every start: only sharded
+    runs and sharded checkpoints import it, not the launcher, the forkserver's preload or a ddp trainer."""
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    from ddptrain.parallel.launch import WORKER_PRELOAD
+
+    probe = ("import importlib, sys\n"
+             f"for name in {WORKER_PRELOAD[1:]!r} + ['ddptrain.checkpoints.manager', 'ddptrain.parallel.launch']:\n"
+             "    importlib.import_module(name)\n"
+             "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

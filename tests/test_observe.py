@@ -301,6 +301,41 @@ def test_tensorboard_missing_is_a_usage_error_at_the_edge(monkeypatch, capsys, t
     assert not (tmp_path / "run").exists()  # refused before anything started
 
 
+def test_a_window_split_by_a_checkpoint_sums_to_the_bit_what_one_unbroken_window_sums():
+    """The window keeps each micro-step's loss until its line is written; a checkpoint in between keeps them
+    unsummed, so a resumed run logs the very bits of the run it continues. Another world size merges every
+    rank's window into rank 0's: the totals stay those of all ranks."""
+    from ddptrain.loop.state import MetricWindow
+
+    cpu = torch.device("cpu")
+    losses = [torch.tensor(v) for v in (0.1, 3e7, 0.3, float("nan"), 7.7, -3e7, 0.2)]  # order-sensitive in float64
+    units = [3, 3, torch.tensor(2), 3, torch.tensor(5), 3, 1]
+    whole = MetricWindow(cpu, 4)
+    for loss, unit in zip(losses, units):
+        whole.add_loss(loss, unit)
+    whole.end_step(2, torch.tensor(True), torch.tensor(1.0), [])
+    first = MetricWindow(cpu, 4)
+    for loss, unit in zip(losses[:3], units[:3]):
+        first.add_loss(loss, unit)
+    first.end_step(2, torch.tensor(True), torch.tensor(1.0), [])
+    resumed = MetricWindow(cpu, 4)
+    resumed.load_state_dict(first.state_dict())
+    for loss, unit in zip(losses[3:], units[3:]):
+        resumed.add_loss(loss, unit)
+    assert torch.equal(resumed.totals(), whole.totals())
+    loss_sum, count, bad = whole.totals().tolist()
+    assert count == 3 + 3 + 2 + 5 + 3 + 1 and bad == 1 and abs(loss_sum - 8.3) < 1e-6
+    assert resumed.flags().tolist() == whole.flags().tolist() == [False, True, False, False]
+
+    other = MetricWindow(cpu, 4)
+    other.add_loss(torch.tensor(2.0), 4)
+    other.end_step(4, torch.tensor(True), torch.tensor(1.0), [])
+    merged = MetricWindow(cpu, 4)
+    merged.load_state_dict(MetricWindow.merged([whole.state_dict(), other.state_dict()]))
+    assert merged.totals().tolist() == (whole.totals() + other.totals()).tolist()
+    assert merged.flags().tolist() == [False, True, False, True]
+
+
 def test_a_log_step_writes_its_line_at_the_next_boundary_and_loses_none(tmp_path):
     """TrainLog.write only starts a line (the gather, or on CUDA the copy to the host); finish writes it. A
     write while a line is pending finishes that one first: every log step gets its line, in order."""

@@ -46,6 +46,7 @@ MANIFEST = "manifest.json"
 ABANDONED = "abandoned"  # checkpoints of lines a run did not continue, moved aside by `start_line`
 STEP_DIR = re.compile(r"^step-(\d+)$")
 BEST = "best"  # --keep_best: the checkpoint with the best eval metric, apart from retention
+PEER_FAILED = "a peer's write failed (it says why)"  # a rank's save error when the cause was another rank's
 log = logging.getLogger("ddptrain")
 
 

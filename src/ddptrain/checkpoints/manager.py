@@ -16,13 +16,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
-from ddptrain.checkpoints import shards
 from ddptrain.checkpoints.format import (
     ABANDONED,
     BEST,
     MANIFEST,
+    PEER_FAILED,
     STEP_DIR,
     CheckpointError,
     Loaded,
@@ -46,10 +45,6 @@ from ddptrain.faults import FaultInjector
 from ddptrain.parallel.distributed import DistributedContext
 
 log = logging.getLogger("ddptrain")
-# DCP raises CheckpointException, a BaseException, on every rank when one rank's part failed; it carries each
-# failed rank's own exception.
-SAVE_ERRORS = (Exception, CheckpointException)
-PEER_FAILED = "a peer's write failed (it says why)"
 READ_ATTEMPTS = 3  # reads of one checkpoint before an I/O error counts as more than a hiccup
 READ_RETRY_S = 1.0  # the wait before the second read; the third waits twice as long
 
@@ -117,6 +112,8 @@ class CheckpointManager:
         Every rank's snapshot is agreed on before DCP's first collective: a rank that fails before it would
         leave its peers waiting inside DCP for the whole checkpoint limit, with the cause in no log.
         """
+        from ddptrain.checkpoints import shards  # DCP: imported by sharded runs only (~1 s of CPU per process)
+
         step = position.step
         error, snap = self._snapshot_error(step), None
         try:
@@ -134,8 +131,8 @@ class CheckpointManager:
         try:
             written = shards.save(target, snap.shards, self.group, self.async_save,
                                   written=lambda: self.injector.during_save(step) if self.injector else None)
-        except SAVE_ERRORS as exc:  # DCP's collective save raises on every rank when one rank's write failed
-            error = _failure(exc, self.ctx.rank)
+        except shards.SAVE_ERRORS as exc:  # DCP's collective save raises on every rank when one rank's write failed
+            error = shards.failure(exc, self.ctx.rank)
         if written is not None and self.async_save:
             self._in_background(lambda: self._commit_shards(written, snap, target, best),
                                 "ddptrain-checkpoint-commit")
@@ -148,12 +145,14 @@ class CheckpointManager:
         """Each rank hashes its own files once written and reports to rank 0, which writes trainer.pt and the
         manifest only if every rank succeeded. All ranks; returns this rank's own failure, or None (rank 0:
         also when a peer failed, which that peer reports)."""
+        from ddptrain.checkpoints import shards
+
         started = time.perf_counter()
         try:
             written.result()
             report: Any = shards.own_files(target, self.ctx.rank)
-        except SAVE_ERRORS as exc:
-            report = _failure(exc, self.ctx.rank)
+        except shards.SAVE_ERRORS as exc:
+            report = shards.failure(exc, self.ctx.rank)
         reports: list[Any] = [None] * self.ctx.world_size
         try:
             dist.gather_object(report, reports if self.ctx.is_main else None, dst=0, group=self.group)
@@ -433,14 +432,3 @@ def _check_fits(saved: dict[str, tuple[int, ...]], current: dict[str, torch.Tens
         if saved[key] != tuple(tensor.shape):
             raise CheckpointError(f"model weight {key} has shape {saved[key]}, this model "
                                   f"needs {tuple(tensor.shape)}")
-
-
-def _failure(exc: BaseException, rank: int) -> str:
-    """One line for a failed save on `rank`: its own cause, or PEER_FAILED when DCP raised for another rank's."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(exc, CheckpointException) and isinstance(failures, dict) and failures:
-        own = failures.get(rank)
-        if own is None:
-            return PEER_FAILED
-        exc = own[0] if isinstance(own, tuple) else own  # DCP keeps (exception, its traceback summary)
-    return f"{type(exc).__name__}: {exc}"

@@ -9,7 +9,6 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from ddptrain.checkpoints import shards
 from ddptrain.checkpoints.format import FORMAT, MANIFEST, CheckpointError, Loaded, _read_verified, _safe_torch_load
 
 
@@ -31,6 +30,8 @@ def read_checkpoint(path: Path, device: torch.device, share: tuple[int, int] = (
         raise CheckpointError(f"manifest format {manifest.get('format')!r} is not {FORMAT!r}")
     files = manifest["files"]
     if manifest.get("layout", "full") == "sharded":
+        from ddptrain.checkpoints import shards  # DCP: imported where a sharded checkpoint is read (~1 s)
+
         return shards.read_verified(path, manifest, share)
     for name in ("model.safetensors", "optimizer.pt", "trainer.pt"):
         if name not in files:

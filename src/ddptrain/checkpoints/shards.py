@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ddptrain.checkpoints.format import (
+    PEER_FAILED,
     CheckpointError,
     Loaded,
     _read_verified,
@@ -64,6 +66,9 @@ from ddptrain.checkpoints.format import (
 SHARDS = "shards"
 METADATA = f"{SHARDS}/.metadata"
 log = logging.getLogger("ddptrain")
+# DCP raises CheckpointException, a BaseException, on every rank when one rank's part failed; it carries each
+# failed rank's own exception.
+SAVE_ERRORS = (Exception, CheckpointException)
 
 # What DCP's own .metadata pickle references (torch 2.6 - 2.13), and nothing else.
 _METADATA_GLOBALS = {
@@ -288,18 +293,14 @@ def own_files(target: Path, rank: int) -> dict[str, dict[str, Any]]:
 
 # --- loading ------------------------------------------------------------------------------------
 
-def load_into(module: nn.Module, optimizer: torch.optim.Optimizer, loaded: Loaded, sharded_run: bool,
+def load_into(module: nn.Module, optimizer: torch.optim.Optimizer, loaded: Loaded,
               group: dist.ProcessGroup | None) -> None:
-    """Put a checkpoint's model and optimizer state into this run's, whatever the layouts. All ranks.
+    """Put a checkpoint's model and optimizer state into this run's where DCP is needed. All ranks.
 
-    full -> ddp: plain load_state_dict. full -> fsdp: every rank shards the whole tensors it read. sharded
-    -> any: DCP reads, for each rank, exactly the slices its own tensors cover (resharding to any world size;
-    a ddp rank's tensors are whole).
+    full -> fsdp: every rank shards the whole tensors it read. sharded -> any: DCP reads, for each rank,
+    exactly the slices its own tensors cover (resharding to any world size; a ddp rank's tensors are whole).
+    full -> ddp needs none of it (`loop.trainer_state` loads it with load_state_dict).
     """
-    if loaded.shards is None and not sharded_run:
-        module.load_state_dict(loaded.model)
-        optimizer.load_state_dict(loaded.optimizer)
-        return
     if loaded.shards is None:
         whole = StateDictOptions(full_state_dict=True)
         # Each tensor is a scatter from rank 0, so every rank must go in the same order: the module's (a
@@ -342,3 +343,14 @@ def consolidate(loaded: Loaded) -> dict[str, torch.Tensor]:
         dcp.load({"model": model}, storage_reader=_VerifiedReader(loaded.path / SHARDS, loaded.shards),
                  planner=_TensorsOnlyPlanner(), no_dist=True)
     return model
+
+
+def failure(exc: BaseException, rank: int) -> str:
+    """One line for a failed save on `rank`: its own cause, or PEER_FAILED when DCP raised for another rank's."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and isinstance(failures, dict) and failures:
+        own = failures.get(rank)
+        if own is None:
+            return PEER_FAILED
+        exc = own[0] if isinstance(own, tuple) else own  # DCP keeps (exception, its traceback summary)
+    return f"{type(exc).__name__}: {exc}"

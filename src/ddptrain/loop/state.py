@@ -3,6 +3,7 @@ train numbers not yet logged. (The data position is `checkpoint.Position`.)"""
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from typing import Any
@@ -43,7 +44,14 @@ def seed_rank_rngs(seed: int, rank: int) -> None:
 
 class MetricWindow:
     """The train numbers since the last log line. Sums stay on the device and are read once per log step;
-    timings and counts are host numbers of this process."""
+    timings and counts are host numbers of this process.
+
+    A micro-step only keeps its loss and whether it was finite; a step only keeps its non-finite flag. The
+    window adds them up when its line is written (`totals`, `flags`): a few batched ops per log step rather
+    than a dozen tiny ones per micro-step, each a dispatch on the training thread (and a kernel on a GPU). The
+    sum runs over the window's losses in order, whether or not a resume came between them: a checkpoint keeps
+    them unsummed (`state_dict`), so a resumed run logs the losses of the run it continues, to the bit.
+    """
 
     def __init__(self, device: torch.device, log_interval: int):
         self.device, self.log_interval = device, log_interval
@@ -51,7 +59,11 @@ class MetricWindow:
 
     def reset(self) -> None:
         zero = lambda: torch.zeros((), dtype=torch.float64, device=self.device)  # noqa: E731
+        # Sums carried in from a checkpoint of an older format or another world size; zero otherwise.
         self.loss, self.count, self.bad_loss = zero(), zero(), zero()
+        self._kept = [torch.zeros(0, dtype=torch.float64, device=self.device) for _ in range(3)]  # restored
+        self._losses: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]] = []  # (loss, finite, units)
+        self._flags: list[tuple[int, torch.Tensor]] = []  # (index in the window, non-finite step?)
         self.bad_steps = torch.zeros(self.log_interval, dtype=torch.bool, device=self.device)
         self.last_norm = torch.zeros((), device=self.device)
         self.steps = 0  # optimizer steps in the window (a resumed window includes the previous process's)
@@ -63,26 +75,66 @@ class MetricWindow:
     def add_loss(self, loss: torch.Tensor, units: torch.Tensor | int = 1) -> torch.Tensor:
         """Count one micro-batch's loss, a sum over `units` (a mean: one unit), so that the logged loss is the
         unit-weighted mean; returns whether it was finite (a device tensor)."""
-        finite = torch.isfinite(loss.detach())
-        self.loss += torch.where(finite, loss.detach().double(), 0.0)
-        self.count += finite.double() * units
-        self.bad_loss += (~finite).double()
+        loss = loss.detach()
+        finite = loss.abs() < math.inf  # isfinite's answer in 2 ops, not 4 (NaN compares false)
+        self._losses.append((loss, finite, units))
         return finite
 
     def end_step(self, step: int, bad: torch.Tensor, norm: torch.Tensor, spans: list) -> None:
-        self.bad_steps[(step - 1) % self.log_interval] = bad
+        self._flags.append(((step - 1) % self.log_interval, bad))
         self.last_norm = norm
         self.spans.append(spans)
         self.steps += 1
 
+    def _vectors(self) -> list[torch.Tensor]:
+        """Every loss of the window in order (float64), whether each was finite (0/1), and its units."""
+        if not self._losses:
+            return self._kept
+        loss, finite, units = zip(*self._losses)
+        if all(isinstance(u, int) for u in units):  # host numbers: no read of the device, and no wait on it
+            unit_vector = torch.tensor(units, dtype=torch.float64).to(self.device, non_blocking=True)
+        else:
+            unit_vector = torch.stack([torch.as_tensor(u, dtype=torch.float64, device=self.device) for u in units])
+        fresh = [torch.stack(loss).double(), torch.stack(finite).double(), unit_vector]
+        return [torch.cat([kept, new]) for kept, new in zip(self._kept, fresh)]
+
+    def totals(self) -> torch.Tensor:
+        """(loss sum of the finite losses, their units, non-finite losses): float64, on the device."""
+        loss, finite, units = self._vectors()
+        sums = torch.stack([torch.where(finite > 0, loss, 0.0).sum(), (finite * units).sum(), (1 - finite).sum()])
+        return sums + torch.stack([self.loss, self.count, self.bad_loss])
+
+    def flags(self) -> torch.Tensor:
+        """Which steps of the window had a non-finite gradient norm (update skipped), by index in the window."""
+        if self._flags:
+            index, bad = zip(*self._flags)
+            self.bad_steps[list(index)] = torch.stack(bad)
+            self._flags = []
+        return self.bad_steps
+
     def state_dict(self) -> dict[str, Any]:
+        loss, finite, units = (v.cpu() for v in self._vectors())
         return {"loss": self.loss.cpu(), "count": self.count.cpu(), "bad_loss": self.bad_loss.cpu(),
-                "bad_steps": self.bad_steps.cpu(), "steps": self.steps}
+                "losses": loss, "finite": finite, "units": units, "bad_steps": self.flags().cpu(),
+                "steps": self.steps}
+
+    @staticmethod
+    def merged(states: list[dict[str, Any]]) -> dict[str, Any]:
+        """One window's state holding every rank's (when the world size changed: rank 0 takes them all, so
+        the totals stay right)."""
+        merged = {key: sum(s[key] for s in states) for key in ("loss", "count", "bad_loss")}
+        if all("losses" in s for s in states):
+            merged.update({key: torch.cat([s[key] for s in states]) for key in ("losses", "finite", "units")})
+        merged["bad_steps"] = torch.stack([s["bad_steps"] for s in states]).any(dim=0)
+        return {**merged, "steps": states[0]["steps"]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loss.copy_(state["loss"])
         self.count.copy_(state["count"])
         self.bad_loss.copy_(state["bad_loss"])
+        if "losses" in state:  # else a checkpoint from before the window kept its losses: its sums suffice
+            self._kept = [state[key].to(self.device, torch.float64) for key in ("losses", "finite", "units")]
+        self._losses = []
         bad_steps = state.get("bad_steps")
         if bad_steps is not None and bad_steps.shape == self.bad_steps.shape:  # else --log_interval changed
             self.bad_steps.copy_(bad_steps)

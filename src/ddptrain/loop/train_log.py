@@ -108,8 +108,7 @@ class TrainLog:
         control group. `finish`, at the next step boundary, finds both done, so a log step stalls no rank.
         """
         self.finish()
-        values = torch.cat([torch.stack([window.loss, window.count, window.bad_loss, window.last_norm.double()]),
-                            window.bad_steps.double()])
+        values = torch.cat([window.totals(), window.last_norm.double().view(1), window.flags().double()])
         if self.clock.cuda:
             if self._host is None or self._host.shape != values.shape:
                 self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)

@@ -6,13 +6,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-
-from ddptrain.checkpoints import shards
 from ddptrain.checkpoints.format import Loaded, Position, Snapshot
 from ddptrain.data.pipeline import mix_seed
 from ddptrain.errors import UsageError
-from ddptrain.loop.state import rng_state, seed_rank_rngs, set_rng_state
+from ddptrain.loop.state import MetricWindow, rng_state, seed_rank_rngs, set_rng_state
 
 log = logging.getLogger("ddptrain")
 
@@ -44,6 +41,8 @@ class CheckpointedState:
                    "stopped": self.stopped, "last_eval": self._last_eval}
         position, config = Position(**vars(self.position)), self.cfg.to_dict()
         if self.parallel.sharded:
+            from ddptrain.checkpoints import shards  # DCP: imported by sharded runs only (~1 s of CPU)
+
             state, trainer["param_groups"] = shards.state_to_save(self.module, self.optimizer)
             return Snapshot(position, None, None, trainer, config, shards=state)
         return Snapshot(position, self.parallel.state_dict(), self.optimizer.state_dict(), trainer, config)
@@ -61,7 +60,13 @@ class CheckpointedState:
         # supplies the optimizer's state. A changed value is said once.
         configured = [{k: v for k, v in group.items() if k not in ("params", "lr")}
                       for group in self.optimizer.param_groups]
-        shards.load_into(self.module, self.optimizer, loaded, self.parallel.sharded, self.checkpoints.group)
+        if loaded.shards is None and not self.parallel.sharded:  # full -> ddp: whole tensors, no DCP
+            self.module.load_state_dict(loaded.model)
+            self.optimizer.load_state_dict(loaded.optimizer)
+        else:
+            from ddptrain.checkpoints import shards
+
+            shards.load_into(self.module, self.optimizer, loaded, self.checkpoints.group)
         self._optimizer_stepped = bool(self.optimizer.state)
         for group, wanted in zip(self.optimizer.param_groups, configured):
             changed = {k: (group.get(k), v) for k, v in wanted.items()
@@ -114,6 +119,4 @@ class CheckpointedState:
         if saved_world == self.ctx.world_size:
             self.window.load_state_dict(windows[self.ctx.rank])
         elif self.ctx.is_main:
-            total = {key: sum(w[key] for w in windows) for key in ("loss", "count", "bad_loss")}
-            total["bad_steps"] = torch.stack([w["bad_steps"] for w in windows]).any(dim=0)
-            self.window.load_state_dict({**total, "steps": windows[0]["steps"]})
+            self.window.load_state_dict(MetricWindow.merged(windows))

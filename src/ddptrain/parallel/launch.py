@@ -52,8 +52,10 @@ def strip_flag(argv: list[str], flag: str) -> list[str]:
 
 
 # What the workers' forkserver imports once: parallel.forkserver first (it leaves the job's signals), then
-# what every worker would import anyway.
-WORKER_PRELOAD = ["ddptrain.parallel.forkserver", "torch", "ddptrain.cli", "ddptrain.api", "ddptrain.loop.trainer"]
+# what every worker would import anyway. torch._dynamo is one: torch.optim's Optimizer imports it when built
+# (~1 s of CPU).
+WORKER_PRELOAD = ["ddptrain.parallel.forkserver", "torch", "ddptrain.cli", "ddptrain.api", "ddptrain.loop.trainer",
+                  "torch._dynamo"]
 
 
 def start_worker_server(nproc: int) -> None:
