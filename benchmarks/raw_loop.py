@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> None:
         if main_rank:
             Path(args.out).write_text(json.dumps(record))
     loop.close()
+    del loop  # DDP's reducer goes before its process group: the other order can abort at exit
     if dist.is_initialized():
+        dist.barrier()  # no rank tears down its connections while a peer still uses them
         dist.destroy_process_group()
 
 

@@ -164,7 +164,8 @@ def time_calls(obj: Any, names: tuple[str, ...]) -> dict[str, list[float]]:
 def phase_clock(trainer: Trainer, raw: RawLoop) -> PhaseClock:
     """Time the training thread's CPU in the same phases of both sides: forward (the loss of a batch),
     backward (`Tensor.backward`, for this job), the optimizer's step and receiving batches (the raw loop
-    reads its loader; ddptrain's reads are timed by StepProbe)."""
+    reads its loader; ddptrain's reads are timed by StepProbe); and ddptrain's gradient norm, which the raw
+    loop does not take: a pass over the gradients, whose cost grows with the parameter count."""
     clock = PhaseClock()
     clock.wrap(trainer.task, "loss", "forward")
     clock.wrap(raw, "loss_of", "forward")
@@ -172,6 +173,7 @@ def phase_clock(trainer: Trainer, raw: RawLoop) -> PhaseClock:
     clock.wrap(trainer.optimizer, "step", "optimizer")
     clock.wrap(raw.optimizer, "step", "optimizer")
     clock.wrap(raw, "_next_batch", "receiving batches")
+    clock.wrap(torch.nn.utils, "get_total_norm", "gradient norm")  # ddptrain's non-finite guard: one read of the grads
     return clock
 
 
@@ -208,7 +210,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
     counters: dict[str, CommCounter] = {}
     spent: dict[str, list[float]] = {}
     clock = None
-    backward = torch.Tensor.backward
+    backward, total_norm = torch.Tensor.backward, torch.nn.utils.get_total_norm
     if mode in ("interleave", "accumulate"):
         spent = time_calls(trainer, ("_between_steps", "_log_train"))
         spent.update(time_calls(trainer.train_log, ("finish",)))  # a log step's line, at the boundary after it
@@ -236,7 +238,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
     try:
         summary = trainer.fit()
     finally:
-        torch.Tensor.backward = backward  # phase_clock timed it for this job only
+        torch.Tensor.backward, torch.nn.utils.get_total_norm = backward, total_norm  # timed for this job only
     result["steps"] = summary["step"]
     if isinstance(callback, Interleave):
         result["ours_s"], result["theirs_s"] = callback.ours, callback.theirs
