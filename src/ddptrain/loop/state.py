@@ -58,10 +58,9 @@ class MetricWindow:
         self.reset()
 
     def reset(self) -> None:
-        zero = lambda: torch.zeros((), dtype=torch.float64, device=self.device)  # noqa: E731
-        # Sums carried in from a checkpoint of an older format or another world size; zero otherwise.
-        self.loss, self.count, self.bad_loss = zero(), zero(), zero()
-        self._kept = [torch.zeros(0, dtype=torch.float64, device=self.device) for _ in range(3)]  # restored
+        # Sums carried in from a checkpoint of an older format or of another world size (loss, count, bad).
+        self._carried: torch.Tensor | None = None
+        self._kept: list[torch.Tensor] | None = None  # a checkpoint's unsummed (losses, finite, units)
         self._losses: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]] = []  # (loss, finite, units)
         self._flags: list[tuple[int, torch.Tensor]] = []  # (index in the window, non-finite step?)
         self.bad_steps = torch.zeros(self.log_interval, dtype=torch.bool, device=self.device)
@@ -89,32 +88,40 @@ class MetricWindow:
     def _vectors(self) -> list[torch.Tensor]:
         """Every loss of the window in order (float64), whether each was finite (0/1), and its units."""
         if not self._losses:
-            return self._kept
+            empty = torch.zeros(0, dtype=torch.float64, device=self.device)
+            return self._kept or [empty, empty, empty]
         loss, finite, units = zip(*self._losses)
         if all(isinstance(u, int) for u in units):  # host numbers: no read of the device, and no wait on it
             unit_vector = torch.tensor(units, dtype=torch.float64).to(self.device, non_blocking=True)
         else:
             unit_vector = torch.stack([torch.as_tensor(u, dtype=torch.float64, device=self.device) for u in units])
         fresh = [torch.stack(loss).double(), torch.stack(finite).double(), unit_vector]
+        if self._kept is None:
+            return fresh
         return [torch.cat([kept, new]) for kept, new in zip(self._kept, fresh)]
 
     def totals(self) -> torch.Tensor:
         """(loss sum of the finite losses, their units, non-finite losses): float64, on the device."""
         loss, finite, units = self._vectors()
-        sums = torch.stack([torch.where(finite > 0, loss, 0.0).sum(), (finite * units).sum(), (1 - finite).sum()])
-        return sums + torch.stack([self.loss, self.count, self.bad_loss])
+        sums = torch.stack([torch.where(finite > 0, loss, 0.0), finite * units, 1 - finite]).sum(dim=1)
+        return sums if self._carried is None else sums + self._carried
 
     def flags(self) -> torch.Tensor:
         """Which steps of the window had a non-finite gradient norm (update skipped), by index in the window."""
         if self._flags:
             index, bad = zip(*self._flags)
-            self.bad_steps[list(index)] = torch.stack(bad)
+            first = index[0]
+            if list(index) == list(range(first, first + len(index))):  # the usual run of steps: a slice
+                self.bad_steps[first:first + len(index)] = torch.stack(bad)
+            else:
+                self.bad_steps[list(index)] = torch.stack(bad)
             self._flags = []
         return self.bad_steps
 
     def state_dict(self) -> dict[str, Any]:
         loss, finite, units = (v.cpu() for v in self._vectors())
-        return {"loss": self.loss.cpu(), "count": self.count.cpu(), "bad_loss": self.bad_loss.cpu(),
+        carried = (self._carried if self._carried is not None else torch.zeros(3, dtype=torch.float64)).cpu()
+        return {"loss": carried[0], "count": carried[1], "bad_loss": carried[2],
                 "losses": loss, "finite": finite, "units": units, "bad_steps": self.flags().cpu(),
                 "steps": self.steps}
 
@@ -129,9 +136,9 @@ class MetricWindow:
         return {**merged, "steps": states[0]["steps"]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loss.copy_(state["loss"])
-        self.count.copy_(state["count"])
-        self.bad_loss.copy_(state["bad_loss"])
+        carried = torch.stack([torch.as_tensor(state[key], dtype=torch.float64)
+                               for key in ("loss", "count", "bad_loss")]).to(self.device)
+        self._carried = carried if bool(carried.any()) else None
         if "losses" in state:  # else a checkpoint from before the window kept its losses: its sums suffice
             self._kept = [state[key].to(self.device, torch.float64) for key in ("losses", "finite", "units")]
         self._losses = []
