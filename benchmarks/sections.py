@@ -203,24 +203,21 @@ def small_steps(size: str, work: Path) -> Plan:
             for x in (flag, flags[flags.index(flag) + 1])]
 
     def finish(results: dict[str, list[dict[str, Any]]]) -> list[Row]:
-        env = bench_env(threads=1)
         ours, theirs = [], []
         for rep in range(pairs):
-            name = f"small-launch-{rep}"
-            run_logged([sys.executable, "-m", "ddptrain", "train", "--nproc", "2", *flags, *common_flags(work, name),
-                        "--max_steps", str(warm + timed), "--log_interval", str(interval)],
-                       work / f"{name}-ddptrain.log", env, 600)
-            at = {r["step"]: r["time"] for r in read_metrics(work / name / "metrics.jsonl") if r["split"] == "train"}
+            _, _, raw = launch_pair(work, f"small-launch-{rep}",
+                                    [*flags, "--max_steps", str(warm + timed), "--log_interval", str(interval)],
+                                    [*same, "--steps", str(warm - 2), "--timed_steps", str(timed)], 600)
+            metrics = read_metrics(work / f"small-launch-{rep}" / "metrics.jsonl")
+            at = {r["step"]: r["time"] for r in metrics if r["split"] == "train"}
             ours.append((at[warm + timed] - at[warm]) / timed)
-            out = work / f"{name}-raw.json"
-            run_logged(torchrun_cmd(2, "benchmarks.raw_loop", "--out", str(out), *same, "--steps", str(warm - 2),
-                                    "--timed_steps", str(timed)), work / f"{name}-raw.log", env, 600)
-            theirs.append(json.loads(out.read_text())["steps_s"] / timed)
+            theirs.append(raw["steps_s"] / timed)
         ratios = [t / o for o, t in zip(ours, theirs)]
         ratio = median(ratios)
         passed = ratio >= 0.99
-        note = (f"{pairs} pair{'s' if pairs != 1 else ''} of separate launches, alternating: `ddptrain train --nproc 2` (steps {warm + 1}-"
-                f"{warm + timed}, from its metrics.jsonl's line times, --log_interval {interval}) and the bare "
+        note = (f"{pairs} pair{'s' if pairs != 1 else ''} of separate launches, alternating: `ddptrain train "
+                f"--nproc 2` (steps {warm + 1}-{warm + timed}, from its metrics.jsonl's line times, --log_interval "
+                f"{interval}) and the bare "
                 f"torchrun script (the same steps by its own clock); ddptrain "
                 f"{1000 * (median(ours) - median(theirs)):+.2f} ms per step (medians). Separate launches also "
                 "differ by where the kernel places each launch's processes: their spread is wider than the "
@@ -439,6 +436,22 @@ def data(size: str, work: Path) -> Plan:
     return Plan([Launch("data", 2, jobs)], finish)
 
 
+def launch_pair(work: Path, name: str, ddptrain_argv: list[str], raw_argv: list[str],
+                timeout_s: float) -> tuple[float, float, dict[str, Any]]:
+    """One pair of separate launches, as a user compares: `ddptrain train --nproc 2 ARGV` into WORK/NAME, then
+    the bare torchrun script (`benchmarks/raw_loop.py`) with RAW_ARGV, one OpenMP thread per process each.
+    Returns when each launch started (unix time) and the script's JSON."""
+    env = bench_env(threads=1)
+    ours_started = time.time()
+    run_logged([sys.executable, "-m", "ddptrain", "train", "--nproc", "2", *ddptrain_argv, *common_flags(work, name)],
+               work / f"{name}-ddptrain.log", env, timeout_s)
+    out = work / f"{name}-raw.json"
+    raw_started = time.time()
+    run_logged(torchrun_cmd(2, "benchmarks.raw_loop", "--out", str(out), *raw_argv), work / f"{name}-raw.log", env,
+               timeout_s)
+    return ours_started, raw_started, json.loads(out.read_text())
+
+
 # --- startup -------------------------------------------------------------------------------------
 
 def startup(size: str, work: Path) -> Plan:
@@ -449,21 +462,14 @@ def startup(size: str, work: Path) -> Plan:
             for x in (flag, conv[conv.index(flag) + 1])]
 
     def finish(results: dict[str, list[dict[str, Any]]]) -> list[Row]:
-        env = bench_env(threads=1)
         ours, theirs = [], []
         for rep in range(reps):
             name = f"startup-{rep}"
-            started = time.time()
-            run_logged([sys.executable, "-m", "ddptrain", "train", "--nproc", "2", *conv, *common_flags(work, name),
-                        "--max_steps", "1", "--log_interval", "1", "--eval_size", "0"],
-                       work / f"{name}-ddptrain.log", env, 300)
+            ours_started, raw_started, raw = launch_pair(
+                work, name, [*conv, "--max_steps", "1", "--log_interval", "1", "--eval_size", "0"], same, 300)
             first = json.loads((work / name / "metrics.jsonl").read_text().splitlines()[0])
-            ours.append(first["time"] - started)
-            out = work / f"{name}-raw.json"
-            started = time.time()
-            run_logged(torchrun_cmd(2, "benchmarks.raw_loop", "--out", str(out), *same), work / f"{name}-raw.log",
-                       env, 300)
-            theirs.append(json.loads(out.read_text())["first_step_time"] - started)
+            ours.append(first["time"] - ours_started)
+            theirs.append(raw["first_step_time"] - raw_started)
         ratios = [o / t for o, t in zip(ours, theirs)]
         ratio = median(ratios)
         passed = ratio <= 1.2

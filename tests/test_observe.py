@@ -308,8 +308,9 @@ def test_a_window_split_by_a_checkpoint_sums_to_the_bit_what_one_unbroken_window
     from ddptrain.loop.state import MetricWindow
 
     cpu = torch.device("cpu")
-    losses = [torch.tensor(v) for v in (0.1, 3e7, 0.3, float("nan"), 7.7, -3e7, 0.2)]  # order-sensitive in float64
-    units = [3, 3, torch.tensor(2), 3, torch.tensor(5), 3, 1]
+    # Summed in two parts (before and after the checkpoint) these float64 sums round differently from one sum.
+    losses = [torch.tensor(v) for v in (1e8, 0.1, float("nan"), 0.2, -1e8, 0.3, 0.4, 0.5, 0.6, 0.7, 0.9)]
+    units = [3, 3, 3, torch.tensor(2), 3, torch.tensor(5), 3, 1, 1, 1, 1]
     whole = MetricWindow(cpu, 4)
     for loss, unit in zip(losses, units):
         whole.add_loss(loss, unit)
@@ -318,13 +319,17 @@ def test_a_window_split_by_a_checkpoint_sums_to_the_bit_what_one_unbroken_window
     for loss, unit in zip(losses[:3], units[:3]):
         first.add_loss(loss, unit)
     first.end_step(2, torch.tensor(True), torch.tensor(1.0), [])
-    resumed = MetricWindow(cpu, 4)
+    resumed, summed_only = MetricWindow(cpu, 4), MetricWindow(cpu, 4)
     resumed.load_state_dict(first.state_dict())
+    loss_sum, count, bad = first.totals()  # a checkpoint from before the window kept its losses
+    summed_only.load_state_dict({"loss": loss_sum, "count": count, "bad_loss": bad, "steps": 1})
     for loss, unit in zip(losses[3:], units[3:]):
         resumed.add_loss(loss, unit)
+        summed_only.add_loss(loss, unit)
     assert torch.equal(resumed.totals(), whole.totals())
     loss_sum, count, bad = whole.totals().tolist()
-    assert count == 3 + 3 + 2 + 5 + 3 + 1 and bad == 1 and abs(loss_sum - 8.3) < 1e-6
+    assert count == 3 + 3 + 2 + 3 + 5 + 3 + 1 + 1 + 1 + 1 and bad == 1 and abs(loss_sum - 3.7) < 1e-6
+    assert summed_only.totals().tolist() == pytest.approx([loss_sum, count, bad])  # still read, to rounding
     assert resumed.flags().tolist() == whole.flags().tolist() == [False, True, False, False]
 
     other = MetricWindow(cpu, 4)

@@ -139,9 +139,10 @@ class MetricWindow:
         carried = torch.stack([torch.as_tensor(state[key], dtype=torch.float64)
                                for key in ("loss", "count", "bad_loss")]).to(self.device)
         self._carried = carried if bool(carried.any()) else None
-        if "losses" in state:  # else a checkpoint from before the window kept its losses: its sums suffice
-            self._kept = [state[key].to(self.device, torch.float64) for key in ("losses", "finite", "units")]
-        self._losses = []
+        # A checkpoint from before the window kept its losses has no "losses": its sums (carried) suffice.
+        self._kept = ([state[key].to(self.device, torch.float64) for key in ("losses", "finite", "units")]
+                      if "losses" in state else None)
+        self._losses, self._flags = [], []
         bad_steps = state.get("bad_steps")
         if bad_steps is not None and bad_steps.shape == self.bad_steps.shape:  # else --log_interval changed
             self.bad_steps.copy_(bad_steps)
