@@ -135,6 +135,18 @@ def wait_for(path: Path, proc: subprocess.Popen, limit_s: float = 120) -> None:
         time.sleep(0.01)
 
 
+def processes_holding(directory: Path) -> list[int]:
+    """Pids of the processes with a file under `directory` open (a run's workers hold their rank logs)."""
+    prefix, found = str(directory) + os.sep, []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix) for fd in os.listdir(f"/proc/{pid}/fd")):
+                found.append(int(pid))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from helpers import (
     last_committed,
     metrics,
     optimizer_state,
+    processes_holding,
     train,
     wait_for,
     weights,
@@ -89,9 +91,15 @@ def slow_reference(tmp_path_factory) -> Path:
 def test_whole_job_killed_then_rerun_resumes_bitwise(tmp_path, slow_reference):
     proc = _start(tmp_path, *SLOW)
     wait_for(tmp_path / "checkpoints" / "step-6" / "manifest.json", proc)
-    os.killpg(proc.pid, signal.SIGKILL)  # launcher and workers at once: no chance to clean up
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher, with no chance to stop its workers
     proc.wait()
+    # Its workers (in sessions of their own) notice and stop; before, they trained on and then waited forever.
+    deadline = time.monotonic() + 30
+    while processes_holding(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not processes_holding(tmp_path), "the killed launcher's workers are still running"
     assert not (tmp_path / "model.safetensors").exists(), "the run finished before it could be killed"
+    assert "the launcher (pid" in (tmp_path / "logs" / "rank-0.log").read_text()
     train(tmp_path, *JOB, *SLOW, nproc=2)
     assert_same_result(tmp_path, slow_reference)
 

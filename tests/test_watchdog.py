@@ -14,7 +14,7 @@ import pytest
 from helpers import TINY, metrics, train
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from ddptrain.parallel.launch import _failure_text, _root_cause
+from ddptrain.parallel.launch import _every_failure, _failure_text, _root_cause
 
 HOST = socket.gethostname()
 
@@ -134,7 +134,26 @@ def test_launcher_names_the_cause_not_the_ranks_that_lost_it(tmp_path):
     failures = {0: failure(0, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4567"),
                 1: failure(1, "InjectedFault: injected fault kind=raise at step 3 micro-batch 0"),
                 2: failure(2, "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:4568: Connection reset by peer")}
-    rank, cause = _root_cause(ChildFailedError("ddptrain", failures))
+    rank, cause = _root_cause(failures)
+    assert rank == 1 and _failure_text(cause).startswith("InjectedFault: injected fault")
+
+
+def test_launcher_names_a_cause_the_agent_stopped_before_it_exited(tmp_path):
+    """The agent reports the workers it found failed at its first look: here only rank 0, which lost its
+    peer, while rank 1, which raised first and recorded its error, was still aborting its process groups."""
+    def record(rank: int, message: str) -> Path:
+        path = tmp_path / "attempt_0" / str(rank) / "error.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"timestamp": "1700000000"}}}))
+        return path
+
+    lost = record(0, "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4567")
+    record(1, "InjectedFault: injected fault kind=raise at step 3 micro-batch 0")
+    (tmp_path / "attempt_0" / "2").mkdir()  # a rank stopped before it recorded anything
+    reported = {0: ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(lost))}
+    failures = _every_failure(ChildFailedError("ddptrain", reported))
+    assert sorted(failures) == [0, 1]
+    rank, cause = _root_cause(failures)
     assert rank == 1 and _failure_text(cause).startswith("InjectedFault: injected fault")
 
 

@@ -13,6 +13,7 @@ own (as torch's subprocess workers), the default signal handlers, the launcher's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 LOCAL_LAUNCH_ENV = "DDPTRAIN_LOCAL_LAUNCH"  # set for workers of `--nproc`: the launcher reports their errors
 LAUNCH_TIME_ENV = "DDPTRAIN_LAUNCH_TIME"  # when `--nproc`'s launcher started: --max_time counts from there
+LAUNCHER_PID_ENV = "DDPTRAIN_LAUNCHER_PID"  # the `--nproc` launcher, which its workers must not outlive
 
 # The agent forwards these to the workers, which checkpoint and exit; SIGUSR1 is SLURM's --signal.
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -71,6 +73,7 @@ def start_worker_server(nproc: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LOCAL_LAUNCH_ENV] = "1"
     os.environ.setdefault(LAUNCH_TIME_ENV, repr(time.time()))
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
     forkserver.ensure_running()
 
@@ -85,6 +88,7 @@ def _worker(command: str, argv: list[str], environ: dict[str, str]) -> None:
     # lock's token) is added, under what the agent set for this worker (its rank, the rendezvous).
     for key, value in environ.items():
         os.environ.setdefault(key, value)
+    _exit_with_launcher(int(os.environ[LAUNCHER_PID_ENV]))
     sys.argv = ["ddptrain", command, *argv]
     from ddptrain import cli
 
@@ -93,6 +97,36 @@ def _worker(command: str, argv: list[str], environ: dict[str, str]) -> None:
     sys.stderr.flush()
     if code:
         sys.exit(code)
+
+
+def _exit_with_launcher(pid: int) -> None:
+    """End this worker when the launcher ends without stopping it (SIGKILL, the OOM killer).
+
+    The workers sit in sessions of their own under the forkserver, so nothing else reaches them: they would
+    train on, write checkpoints into a run dir that a rerun now owns, and then wait forever for torch's agent
+    to collect their result (holding their memory, and on a GPU the device's). A thread waits on the
+    launcher's pidfd and exits the process when it fires.
+    """
+    import select
+    import threading
+
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        pidfd = None  # already gone
+
+    def wait_then_exit() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        rank = os.environ.get("RANK", "?")
+        message = (f"ddptrain: rank {rank}: the launcher (pid {pid}) ended without stopping its workers; "
+                   f"this worker stops too (the next run resumes from the newest committed checkpoint)")
+        logging.getLogger("ddptrain").error(message.removeprefix("ddptrain: "))
+        with contextlib.suppress(OSError, ValueError):
+            print(message, file=sys.stderr, flush=True)
+        os._exit(EXIT_FAILURE)
+
+    threading.Thread(target=wait_then_exit, name="ddptrain-launcher-watch", daemon=True).start()
 
 
 def launch_local(command: str, argv: list[str], nproc: int, max_restarts: int, run_dir: Path | None) -> int:
@@ -168,7 +202,31 @@ def _failure_text(failure) -> str:
     return message
 
 
-def _root_cause(exc: ChildFailedError):
+def _every_failure(exc: ChildFailedError) -> dict:
+    """The failures the agent reported, and those of workers it did not.
+
+    The agent reports the workers it found failed at its first look, then stops the rest. A worker that raised
+    first but took longer to exit (aborting its process groups) than a peer that lost it is stopped, not
+    reported, though it recorded its error (`watchdog.record_for_launcher`) beside the reported ones' files
+    (ATTEMPT_DIR/LOCAL_RANK/error.json): read those too, so that the root cause is the rank that raised.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failures = dict(exc.failures)
+    attempts = {Path(f.error_file).parent.parent for f in failures.values() if f.error_file}
+    for attempt in attempts:
+        for path in sorted(attempt.glob("*/error.json")):
+            rank = int(path.parent.name)  # the local rank: one node under launch_local, so the global rank
+            if rank not in failures:
+                try:
+                    failures[rank] = ProcessFailure(local_rank=rank, pid=0, exitcode=EXIT_FAILURE,
+                                                    error_file=str(path))
+                except (OSError, ValueError, KeyError):  # (written atomically; a stranger's file would not be)
+                    continue
+    return failures
+
+
+def _root_cause(failures: dict):
     """(rank, failure) that started the failure.
 
     torch picks the earliest whole-second timestamp, so a rank that lost its peer in the same second as the
@@ -180,7 +238,7 @@ def _root_cause(exc: ChildFailedError):
         stopped_by_agent = failure.exitcode == -signal.SIGTERM and not _recorded(failure)
         return stopped_by_agent or any(marker in _failure_text(failure) for marker in PEER_LOSS_MARKERS)
 
-    return min(exc.failures.items(), key=lambda item: (consequence(item), item[1].timestamp, item[0]))
+    return min(failures.items(), key=lambda item: (consequence(item), item[1].timestamp, item[0]))
 
 
 def _recorded(failure) -> bool:
@@ -209,14 +267,15 @@ def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float,
         for message in messages:
             print(f"ddptrain: error: {message}", file=sys.stderr)
         return EXIT_USAGE
-    rank, failure = _root_cause(exc)
+    failures = _every_failure(exc)
+    rank, failure = _root_cause(failures)
     message = _failure_text(failure)
     # The first line says what went wrong: torch's longer messages (DDP's) end with advice and details.
     message = message.strip().splitlines()[0] if message.strip() else f"exit code {failure.exitcode}"
     if failure.exitcode < 0 and not _recorded(failure):
         message = f"killed by signal {-failure.exitcode}"
     host = os.uname().nodename
-    others = sorted(r for r in exc.failures if r != rank)
+    others = sorted(r for r in failures if r != rank)
     also = f" (also failed: rank {', '.join(map(str, others))})" if others else ""
     where = f"; its log: {rank_log_path(run_dir, rank)}" if run_dir else ""
     what = "training" if command == "train" else command
