@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from zygote import zygote
 
 from ddptrain.parallel.procenv import fresh_env
 
@@ -33,11 +34,24 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+# DDPTRAIN_TEST_COLD=1 starts every launch as a fresh interpreter (to compare with the zygote's warm starts).
+WARM_STARTS = os.environ.get("DDPTRAIN_TEST_COLD", "") in ("", "0")
+
+
 def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 180,
-            cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`python -m ddptrain ARGS` in a subprocess; output captured as text."""
+            cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python -m ddptrain ARGS` in a process of its own; output captured as text.
+
+    The process is forked from the session's zygote (tests/zygote.py), which imported torch once, unless
+    `fresh` (a test of what a process imports or of its start) or an environment the fork cannot honour.
+    """
+    full_env = cli_env(env)
+    if WARM_STARTS and not fresh:
+        warm = zygote(cli_env(), REPO)
+        if warm.accepts(full_env):
+            return warm.run(args, env=full_env, cwd=cwd or REPO, timeout=timeout)
     return subprocess.run([sys.executable, "-m", "ddptrain", *args], capture_output=True, text=True,
-                          timeout=timeout, env=cli_env(env), cwd=cwd or REPO)
+                          timeout=timeout, env=full_env, cwd=cwd or REPO)
 
 
 def train(run_dir: Path, *extra: str, nproc: int = 0, env: dict[str, str] | None = None,

@@ -84,12 +84,13 @@ def test_early_stopping_stops_every_rank_at_the_same_step_and_keeps_its_patience
 
 
 def test_max_time_saves_and_exits_75_and_the_rerun_ends_as_an_uninterrupted_run(tmp_path):
-    """--max_time 1 is over before the first step (the launch takes longer): the vote cast at step 1 is read at
-    step 2, which is saved; exit 75, the run incomplete. The same command without the limit finishes it,
-    bitwise equal to a run never stopped."""
+    """--max_time 1 is over by the end of step 1 (rank 0 stalls 1 s in it, however fast the launch): the vote
+    cast at step 1 is read at step 2, which is saved; exit 75, the run incomplete. The same command without the
+    limit finishes it, bitwise equal to a run never stopped."""
     ref, run = tmp_path / "ref", tmp_path / "run"
     job = ["--epochs", "2", "--control_interval", "1"]
-    stopped = train(run, *job, "--max_time", "1", nproc=2, check=False)
+    stopped = train(run, *job, "--max_time", "1", nproc=2, check=False,
+                    env={"DDPTRAIN_FAULT": "rank=0,step=1,kind=stall,seconds=1"})
     assert stopped.returncode == 75, stopped.stderr
     assert "time limit --max_time 1: checkpoint of step 2 committed; exit 75" in stopped.stderr
     assert last_committed(run).name == "step-2"

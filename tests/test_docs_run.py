@@ -5,7 +5,7 @@ it, ` #` starts a comment); what a command prints goes in a block without a lang
 whose first line is `# NAME.toml ...` is a file the reader writes. The test takes these blocks of README.md,
 then of docs/*.md by name, writes the files and runs each command with bash in a scratch copy of the files a
 fresh clone has (configs/, examples/, scripts/, README.md, docs/), with this checkout's ddptrain and .venv
-first on PATH, changed only as follows:
+first on PATH (`ddptrain` forked from the test session's zygote, tests/zygote.py), changed only as follows:
 
 - `make run` is its Makefile command (the .venv is installed already), and a command a reader has already
   run (the same text on an earlier line or page) is not run again: its result is there;
@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO, cli_env
+from zygote import zygote
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 COPIED = ["configs", "examples", "scripts", "README.md", "docs"]  # what the commands read from a clone
@@ -166,7 +167,11 @@ def test_every_documented_command_runs_in_order(tmp_path: Path):
     for name in COPIED:
         source = REPO / name
         (shutil.copytree if source.is_dir() else shutil.copy)(source, scratch / name)
-    env = cli_env({"PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])})
+    # `ddptrain` runs as a fork of the session's zygote (tests/zygote.py), which imported torch once
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    zygote(cli_env(), REPO).shim(shims)
+    env = cli_env({"PATH": os.pathsep.join([str(shims), str(Path(sys.executable).parent), os.environ.get("PATH", "")])})
     failures, outputs, timings = [], {}, []
     for page, step, why in plan():
         if isinstance(step, tuple):

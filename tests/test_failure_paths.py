@@ -5,11 +5,13 @@ Real processes, gloo on CPU."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pipeline_runs as runs
 import pytest
-from helpers import REPO, TINY, train
+from helpers import REPO, TINY, cli_env, train
 
 JOB = ["--batch_size", "16", "--epochs", "1", "--max_steps", "4"]
 
@@ -144,3 +146,19 @@ def test_a_usage_error_reaches_the_terminal_in_one_write(monkeypatch):
     monkeypatch.delenv("DDPTRAIN_LOCAL_LAUNCH", raising=False)
     assert cli.main(["no-such-command"]) == 2
     assert len(writes) == 1 and writes[0].startswith("ddptrain: error: unknown command") and writes[0].endswith("\n")
+
+
+def test_a_forkserver_ends_without_the_interpreters_teardown():
+    """parallel.forkserver, the first import of every forkserver ddptrain starts, makes its exit skip the
+    teardown (seconds of garbage collection over torch's objects, while the job's output pipe stays open),
+    after the other exit handlers ran."""
+    script = ("import atexit, gc\n"
+              "import ddptrain.parallel.forkserver\n"
+              "atexit.register(lambda: print('exit handler ran', flush=True))\n"
+              "class Teardown:\n"
+              "    def __del__(self):\n"
+              "        print('teardown ran', flush=True)\n"
+              "kept = Teardown()\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "exit handler ran\n"

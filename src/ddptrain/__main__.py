@@ -1,3 +1,3 @@
-from ddptrain.cli import main
+from ddptrain.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

@@ -53,6 +53,13 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
     from ddptrain.parallel.launch import LOCAL_LAUNCH_ENV
     from ddptrain.parallel.watchdog import record_for_launcher
 
+    if cfg.num_workers > 0:
+        from ddptrain.data.pipeline import worker_context
+
+        # The loaders' forkserver, started before the process group's threads exist: its imports overlap the
+        # joining (no measurable gain on 2 cores, docs/performance.md), and where torch is imported already,
+        # as in the test suite's warm starts (tests/zygote.py), it can be a fork of this process.
+        worker_context()
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with (distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx,

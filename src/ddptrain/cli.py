@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -46,6 +47,20 @@ def main(argv: list[str] | None = None) -> int:
         code = EXIT_PREEMPTED
     except KeyboardInterrupt:
         code = 130
+    return code
+
+
+def entry() -> int:
+    """The `ddptrain` command (its console script and `python -m ddptrain`): `main`, then a quick exit.
+
+    At exit the interpreter collects its garbage over every object still alive, and a process that imported
+    torch holds over a million: 0.65 s at the end of every command, 0.15 s with them frozen (measured on the
+    2-core VM; more under load). Only the youngest objects can still be a command's garbage; what a command
+    opened it has closed, and the rest is torch's and Python's, which live until the end anyway.
+    """
+    code = main()
+    gc.collect(1)
+    gc.freeze()
     return code
 
 
