@@ -213,7 +213,8 @@ def _every_failure(exc: ChildFailedError) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     failures = dict(exc.failures)
-    attempts = {Path(f.error_file).parent.parent for f in failures.values() if f.error_file}
+    files = [Path(f.error_file) for f in failures.values() if os.path.isfile(getattr(f, "error_file", None) or "")]
+    attempts = {path.parent.parent for path in files if path.parent.name.isdigit()}  # (torch's "<N/A>": none)
     for attempt in attempts:
         for path in sorted(attempt.glob("*/error.json")):
             rank = int(path.parent.name)  # the local rank: one node under launch_local, so the global rank
