@@ -38,6 +38,14 @@ def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 WARM_STARTS = os.environ.get("DDPTRAIN_TEST_COLD", "") in ("", "0")
 
 
+def _warm(env: dict[str, str]):
+    """The session's zygote if a launch in `env` can fork from it, else None (a fresh interpreter)."""
+    if not WARM_STARTS:
+        return None
+    warm = zygote(cli_env(), REPO)
+    return warm if warm.accepts(env) else None
+
+
 def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 180,
             cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
     """`python -m ddptrain ARGS` in a process of its own; output captured as text.
@@ -46,12 +54,23 @@ def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: floa
     `fresh` (a test of what a process imports or of its start) or an environment the fork cannot honour.
     """
     full_env = cli_env(env)
-    if WARM_STARTS and not fresh:
-        warm = zygote(cli_env(), REPO)
-        if warm.accepts(full_env):
-            return warm.run(args, env=full_env, cwd=cwd or REPO, timeout=timeout)
+    warm = None if fresh else _warm(full_env)
+    if warm is not None:
+        return warm.run(args, env=full_env, cwd=cwd or REPO, timeout=timeout)
     return subprocess.run([sys.executable, "-m", "ddptrain", *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd or REPO)
+
+
+def start_cli(args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None):
+    """`python -m ddptrain ARGS` in the background, in a session of its own (a test signals it, or its whole
+    group), output to pipes read by `communicate`: forked from the session's zygote as `run_cli` is, else a
+    subprocess.Popen."""
+    full_env = cli_env(env)
+    warm = _warm(full_env)
+    if warm is not None:
+        return warm.start(args, env=full_env, cwd=cwd or REPO)
+    return subprocess.Popen([sys.executable, "-m", "ddptrain", *args], env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd or REPO, start_new_session=True)
 
 
 def train(run_dir: Path, *extra: str, nproc: int = 0, env: dict[str, str] | None = None,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,11 +18,11 @@ import pytest
 from helpers import (
     TINY,
     assert_bitwise_equal,
-    cli_env,
     last_committed,
     metrics,
     optimizer_state,
     processes_holding,
+    start_cli,
     train,
     wait_for,
     weights,
@@ -72,10 +71,7 @@ def test_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, reference, fault)
 
 
 def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "ddptrain", "train", *TINY, *JOB, "--run_dir", str(run_dir), "--nproc", "2",
-            *extra]
-    return subprocess.Popen(args, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return start_cli(["train", *TINY, *JOB, "--run_dir", str(run_dir), "--nproc", "2", *extra])
 
 
 SLOW = ["--dataset", "fault_plugins:slow_augmented_synthetic"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import REPO, TINY, cli_env, one_line_error, train
+from helpers import REPO, TINY, cli_env, one_line_error, start_cli, train
 from lock_plugins import GATE_ENV
 
 # --nproc 2 x batch 32: 4 steps per epoch; a checkpoint at step 2 and at the end (step 4).
@@ -47,10 +47,9 @@ def start(run_dir: Path, gate: Path, trigger: Path | None, *extra: str, restart:
           env: dict[str, str] | None = None) -> subprocess.Popen:
     """A gated `ddptrain train` in the background, in its own process group."""
     gate.touch()
-    args = [sys.executable, "-m", "ddptrain", "train", *TINY, "--run_dir", str(run_dir), *JOB, *GATED, *extra]
     gate_spec = f"{gate},{trigger or ''},{restart}"
-    return subprocess.Popen(args, env=cli_env({GATE_ENV: gate_spec, **(env or {})}), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
+    return start_cli(["train", *TINY, "--run_dir", str(run_dir), *JOB, *GATED, *extra],
+                     env={GATE_ENV: gate_spec, **(env or {})})
 
 
 def wait_at_gate(holder: Holder, processes: int, limit_s: float = 240) -> None:

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import TINY, assert_restarted, cli_env, metrics, one_line_error, run_cli, train, wait_for
+from helpers import TINY, assert_restarted, cli_env, metrics, one_line_error, run_cli, start_cli, train, wait_for
 
 from ddptrain.parallel.procenv import free_port
 
@@ -78,9 +78,7 @@ class SimpleServer:
 
 
 def _start(run_dir: Path, env: dict[str, str], *extra: str, job: list[str] = MLFLOW) -> subprocess.Popen:
-    args = [sys.executable, "-m", "ddptrain", "train", *TINY, *job, "--run_dir", str(run_dir), "--nproc", "2", *extra]
-    return subprocess.Popen(args, env=cli_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return start_cli(["train", *TINY, *job, "--run_dir", str(run_dir), "--nproc", "2", *extra], env=env)
 
 
 def proc_result(proc: subprocess.Popen, stderr: str) -> subprocess.CompletedProcess:

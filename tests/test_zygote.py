@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -100,6 +101,25 @@ def test_a_warm_launch_past_its_timeout_is_killed(tmp_path):
         warm.run(["sleep"], env=cli_env(), cwd=REPO, timeout=3, module="zygote_probe")
     assert caught.value.output == "sleeping\n"
     assert json.loads(warm.run(["0"], env=cli_env(), cwd=REPO, timeout=60, module="zygote_probe").stdout)
+
+
+def test_a_background_launch_is_signalled_like_a_popen(tmp_path):
+    """`start` (helpers.start_cli): the pid is the launched process itself, leader of its own session."""
+    warm = zygote(cli_env(), REPO)
+    ready = tmp_path / "sleeping"
+    proc = warm.start(["sleep"], env=cli_env({"PROBE": str(ready)}), cwd=REPO, module="zygote_probe")
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    assert Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1].split()[3] == str(proc.pid)  # its session
+    assert proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    out, err = proc.communicate(timeout=30)
+    assert out == "sleeping\n" and err == ""
 
 
 def _gone(pid: int) -> bool:

@@ -6,8 +6,9 @@ by some 300 launches. The zygote is one process, started once per test session, 
 and nothing of ddptrain; each launch is a fork of it that then becomes what a fresh `python -m ddptrain
 ARGS` would be: the caller's environment, working directory, stdio and sys.path, fresh random seeds,
 ddptrain imported from the checkout, and an exit that runs the same shutdown (non-daemon threads joined,
-atexit handlers, stdio flushed) but for the interpreter's teardown. The launched process is still a real process with its own pid; what it
-starts (the `--nproc` launcher's forkserver and workers) starts exactly as before.
+atexit handlers, stdio flushed) but for the interpreter's teardown. The launched process is still a real
+process with its own pid (`run` waits for it, `start` gives a Popen-like handle to signal); the forkservers
+it starts are forks of it too (`_spawn_or_fork_forkserver`), and everything else starts as before.
 
 What a fork cannot reproduce falls back to a fresh interpreter (`Zygote.accepts`): an environment that
 torch or Python read at import and that differs from the zygote's (thread counts, PYTHON* flags, torch's
@@ -132,6 +133,8 @@ def _become(request: dict, fds: list[int]) -> None:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
+        if request.get("new_session"):
+            os.setsid()  # Popen(start_new_session=True)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(request["cwd"])
@@ -281,16 +284,7 @@ class Zygote:
         until it closes the pipes. A trainer whose loader workers share tensors by file name has torch start a
         torch_shm_manager, which inherits every descriptor and outlives it by ~2 s, writing nothing."""
         cmd = [sys.executable, "-m", module, *argv]
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        null = os.open(os.devnull, os.O_RDONLY)
-        try:
-            reply, pid = _request(self.address, module, argv, env, str(cwd), [null, out_w, err_w])
-        finally:
-            for fd in (null, out_w, err_w):
-                os.close(fd)
-        if reply is None:
-            raise RuntimeError(f"the test zygote refused a launch with this environment: {env}")
+        reply, pid, out_r, err_r = self._launch(module, argv, env, cwd, new_session=False)
         chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
         try:
             code = _collect(chunks, reply, time.monotonic() + timeout)
@@ -304,6 +298,29 @@ class Zygote:
             reply.close()
         return subprocess.CompletedProcess(cmd, code, _text(chunks[out_r]), _text(chunks[err_r]))
 
+    def start(self, argv: list[str], *, env: dict[str, str], cwd: Path, module: str = "ddptrain") -> WarmProcess:
+        """`python -m MODULE ARGV` in the background, in a session of its own, as
+        subprocess.Popen(..., stdout=PIPE, stderr=PIPE, text=True, start_new_session=True) starts it."""
+        reply, pid, out_r, err_r = self._launch(module, argv, env, cwd, new_session=True)
+        return WarmProcess([sys.executable, "-m", module, *argv], reply, pid, out_r, err_r)
+
+    def _launch(self, module: str, argv: list[str], env: dict[str, str], cwd: Path, new_session: bool):
+        """Fork a launch with /dev/null for stdin and new pipes for stdout and stderr: (the zygote's reply, the
+        child's pid, the pipes' read ends)."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        try:
+            reply, pid = _request(self.address, module, argv, env, str(cwd), [null, out_w, err_w], new_session)
+        finally:
+            for fd in (null, out_w, err_w):
+                os.close(fd)
+        if reply is None:
+            os.close(out_r)
+            os.close(err_r)
+            raise RuntimeError(f"the test zygote refused a launch with this environment: {env}")
+        return reply, pid, out_r, err_r
+
     def shim(self, directory: Path, module: str = "ddptrain") -> Path:
         """An executable `directory/MODULE` that runs `python -m MODULE ARGS` as a fork of this zygote (put the
         directory first on PATH): for tests that run shell commands, such as every documented one."""
@@ -315,6 +332,57 @@ class Zygote:
 
 
 AFTER_EXIT_S = 0.5
+
+
+class WarmProcess:
+    """A background launch forked from the zygote, with the part of subprocess.Popen's interface the tests use
+    (pid, returncode, poll, wait, communicate, send_signal, kill); its output is read by `communicate`."""
+
+    def __init__(self, args: list[str], reply: _Reply, pid: int, out_r: int, err_r: int):
+        self.args, self.pid, self.returncode = args, pid, None
+        self._reply, self._out, self._err = reply, out_r, err_r
+        self._chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+        self._closed = False
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            line = self._reply.line()
+            if line is not None:
+                self.returncode = int(line)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            select.select([self._reply.conn], [], [], left)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        if not self._closed:
+            deadline = time.monotonic() + (timeout if timeout is not None else 365 * 86400)
+            try:
+                self.returncode = _collect(self._chunks, self._reply, deadline, code=self.returncode)
+            except subprocess.TimeoutExpired:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            for fd in self._chunks:
+                os.close(fd)
+            self._reply.close()
+            self._closed = True
+        return _text(self._chunks[self._out]), _text(self._chunks[self._err])
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
 
 
 class _Reply:
@@ -354,11 +422,13 @@ class _Reply:
         self.conn.close()
 
 
-def _request(address: str, module: str, argv: list[str], env: dict[str, str], cwd: str, fds: list[int]):
+def _request(address: str, module: str, argv: list[str], env: dict[str, str], cwd: str, fds: list[int],
+             new_session: bool = False):
     """Send a launch; (the zygote's reply, the child's pid), or (None, None) where the zygote refused it."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(address)
-    request = json.dumps({"module": module, "argv": argv, "env": env, "cwd": cwd}).encode()
+    request = json.dumps({"module": module, "argv": argv, "env": env, "cwd": cwd,
+                          "new_session": new_session}).encode()
     socket.send_fds(conn, [request], fds)
     reply = _Reply(conn)
     line = reply.wait_line()
@@ -381,14 +451,17 @@ def forward(address: str, module: str) -> None:
     sys.exit(code)
 
 
-def _collect(chunks: dict[int, list[bytes]], reply: _Reply, deadline: float, quiet: bool = False) -> int | None:
-    """Read the pipes into `chunks` until the child's exit code has come and its pipes closed (or
-    AFTER_EXIT_S passed since); the exit code. TimeoutExpired past `deadline` (None if `quiet`)."""
+def _collect(chunks: dict[int, list[bytes]], reply: _Reply, deadline: float, quiet: bool = False,
+             code: int | None = None) -> int | None:
+    """Read the pipes into `chunks` until the child's exit code (`code` if known already) has come and its
+    pipes closed (or AFTER_EXIT_S passed since); the exit code. TimeoutExpired past `deadline` (None if
+    `quiet`)."""
     selector = selectors.DefaultSelector()
     for fd in chunks:
         selector.register(fd, selectors.EVENT_READ)
-    selector.register(reply, selectors.EVENT_READ)
-    code, until = None, deadline
+    if code is None:
+        selector.register(reply, selectors.EVENT_READ)
+    until = deadline if code is None else min(deadline, time.monotonic() + AFTER_EXIT_S)
     try:
         while code is None or selector.get_map():  # (the reply leaves the map with the exit code)
             left = until - time.monotonic()

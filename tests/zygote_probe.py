@@ -16,6 +16,8 @@ def parent_command() -> None:
 def main(what: str) -> int:
     if what == "sleep":
         print("sleeping", flush=True)
+        if os.environ.get("PROBE"):
+            open(os.environ["PROBE"], "w").close()  # said so
         time.sleep(60)
     if what == "forkserver":
         process = multiprocessing.get_context("forkserver").Process(target=parent_command)
