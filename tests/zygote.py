@@ -177,7 +177,7 @@ def _spawn_or_fork_forkserver(path: str, args: list[str], passfds) -> int:
     pid = os.fork()
     if pid:
         return pid
-    code = 0
+    code = 1  # (a failure before the command runs)
     try:
         keep = {0, 1, 2, *map(int, passfds)}
         for fd in map(int, os.listdir("/proc/self/fd")):
@@ -195,12 +195,7 @@ def _spawn_or_fork_forkserver(path: str, args: list[str], passfds) -> int:
         forkserver._forkserver._lock = threading.Lock()  # held by the launcher's ensure_running at the fork
         # Importing it is what it does (leave the job's signals): a preload must run it again, as afresh.
         sys.modules.pop("ddptrain.parallel.forkserver", None)
-        exec(args[-1], {"__name__": "__main__"})
-    except SystemExit as exc:
-        code = _exit_code(exc.code)
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        code = 1
+        code = _exit_status(lambda: exec(args[-1], {"__name__": "__main__"}))
     finally:
         os._exit(code)
 
@@ -218,14 +213,7 @@ def _run_main(module: str) -> int:
     import runpy
     import threading
 
-    code = 0
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
-        code = _exit_code(exc.code)
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        code = 1
+    code = _exit_status(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
     try:  # what the interpreter does at exit: join non-daemon threads, run atexit handlers, flush stdio
         threading._shutdown()
         atexit._run_exitfuncs()
@@ -238,13 +226,20 @@ def _run_main(module: str) -> int:
     return code
 
 
-def _exit_code(value: object) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value & 0xFF
-    print(value, file=sys.stderr)
-    return 1
+def _exit_status(run) -> int:
+    """Run `run()` as an interpreter runs its main module: the exit status of its SystemExit (its message on
+    stderr), 1 with the traceback printed for any other exception, else 0."""
+    try:
+        run()
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return (exc.code or 0) & 0xFF
+        print(exc.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        return 1
+    return 0
 
 
 # ---- the client (the test session) -----------------------------------------------------------------------
@@ -376,9 +371,6 @@ class WarmProcess:
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
