@@ -46,9 +46,10 @@ def _warm(env: dict[str, str]):
     return warm if warm.accepts(env) else None
 
 
-def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 180,
-            cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
-    """`python -m ddptrain ARGS` in a process of its own; output captured as text.
+def run_python(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 180,
+               cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python ARGS` (`-m MODULE ...`, `-c CODE ...` or `SCRIPT ...`) in a process of its own, in the tests'
+    environment (cli_env + `env`); output captured as text.
 
     The process is forked from the session's zygote (tests/zygote.py), which imported torch once, unless
     `fresh` (a test of what a process imports or of its start) or an environment the fork cannot honour.
@@ -57,19 +58,26 @@ def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: floa
     warm = None if fresh else _warm(full_env)
     if warm is not None:
         return warm.run(args, env=full_env, cwd=cwd or REPO, timeout=timeout)
-    return subprocess.run([sys.executable, "-m", "ddptrain", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=cwd or REPO)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=full_env,
+                          cwd=cwd or REPO)
+
+
+def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 180,
+            cwd: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python -m ddptrain ARGS`, as `run_python` runs it."""
+    return run_python(["-m", "ddptrain", *args], env=env, timeout=timeout, cwd=cwd, fresh=fresh)
 
 
 def start_cli(args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None):
     """`python -m ddptrain ARGS` in the background, in a session of its own (a test signals it, or its whole
-    group), output to pipes read by `communicate`: forked from the session's zygote as `run_cli` is, else a
+    group), output to pipes read by `communicate`: forked from the session's zygote as `run_python` is, else a
     subprocess.Popen."""
     full_env = cli_env(env)
     warm = _warm(full_env)
+    argv = ["-m", "ddptrain", *args]
     if warm is not None:
-        return warm.start(args, env=full_env, cwd=cwd or REPO)
-    return subprocess.Popen([sys.executable, "-m", "ddptrain", *args], env=full_env, stdout=subprocess.PIPE,
+        return warm.start(argv, env=full_env, cwd=cwd or REPO)
+    return subprocess.Popen([sys.executable, *argv], env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=cwd or REPO, start_new_session=True)
 
 

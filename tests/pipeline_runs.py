@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, TINY, cli_env, run_cli, train
+from helpers import REPO, TINY, run_cli, run_python, train
 
 NUM_TRAIN = 250
 GLOBAL_BATCH = 32
@@ -33,10 +32,8 @@ _done: dict[str, Path] = {}
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 180) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run --standalone --nproc-per-node N ARGS` (what `torchrun` runs)."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", str(nproc), *args],
-                          capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=REPO)
-    return _check(proc)
+    return _check(run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args],
+                             timeout=timeout))
 
 
 def _check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ import numpy as np
 import pipeline_runs as runs
 import pytest
 import torch
-from helpers import TINY, cli_env, read_jsonl
+from helpers import TINY, cli_env, read_jsonl, run_python
 from torch.utils.data import Dataset
 
 from ddptrain.config import TrainConfig
@@ -218,8 +218,7 @@ def test_trainer_close_stops_persistent_loader_workers_at_once(tmp_path):
     """After fit, persistent loader workers (train and eval) are alive; close() has stopped them by the time it
     returns, rather than leaving them to the garbage collector (where each can cost a 5 s join timeout)."""
     flags = [*TINY, "--num_workers", "2", "--max_steps", "3", "--epochs", "1"]
-    proc = subprocess.run([sys.executable, "-c", CLOSE_SCRIPT, str(tmp_path), *flags], capture_output=True,
-                          text=True, env=cli_env(), timeout=120)
+    proc = run_python(["-c", CLOSE_SCRIPT, str(tmp_path), *flags], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     closed = json.loads(proc.stdout.splitlines()[-1])
     assert closed["workers"] == 4, "expected 2 train + 2 eval loader workers alive after fit"

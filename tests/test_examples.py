@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import REPO, cli_env
+from helpers import REPO, run_python
 
 transformers = pytest.importorskip("transformers")
 
 
 def test_the_fine_tuning_example_trains_on_two_processes_and_reloads_with_from_pretrained(tmp_path):
     run_dir = tmp_path / "finetune"
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / "finetune_hf.py"), "--run_dir", str(run_dir),
-                           "--records", "96", "--epochs", "2"], capture_output=True, text=True, env=cli_env(),
-                          cwd=REPO, timeout=600)
+    proc = run_python([str(REPO / "examples" / "finetune_hf.py"), "--run_dir", str(run_dir), "--records", "96",
+                       "--epochs", "2"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loss_line = next(line for line in proc.stdout.splitlines() if line.startswith("eval loss"))
     assert float(loss_line.split()[2]) < math.log(512), "it learnt something (uniform over 512 tokens: 6.24)"

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import REPO, cli_env, last_committed, weights
+from helpers import REPO, last_committed, run_python, weights
 from observed_run import observed_run
 from safetensors import safe_open
 
@@ -66,8 +64,7 @@ def test_export_writes_weights_and_config_that_the_documented_snippet_loads(run,
     assert meta["step"] == "12" and meta["model"] == "mini_resnet" and meta["format"] == "ddptrain-export/1"
 
     # The snippet runs as written, in the directory holding the two files; strict loading checks every key.
-    snippet = subprocess.run([sys.executable, "-c", export_snippet()], cwd=tmp_path, env=cli_env(),
-                             capture_output=True, text=True, timeout=120)
+    snippet = run_python(["-c", export_snippet()], cwd=tmp_path, timeout=120)
     assert snippet.returncode == 0, snippet.stderr
     assert "torch.Size([1, 10])" in snippet.stdout
 
@@ -76,8 +73,7 @@ def test_the_readme_python_example_loads_a_finished_run_dir(run, tmp_path):
     """README's Python example, exactly as printed, against a finished run dir placed where it looks."""
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "quickstart").symlink_to(run.run_dir, target_is_directory=True)
-    snippet = subprocess.run([sys.executable, "-c", python_block("README.md", "python")], cwd=tmp_path,
-                             env=cli_env(), capture_output=True, text=True, timeout=120)
+    snippet = run_python(["-c", python_block("README.md", "python")], cwd=tmp_path, timeout=120)
     assert snippet.returncode == 0, snippet.stderr
     assert "torch.Size([1, 10])" in snippet.stdout
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,11 +21,11 @@ from helpers import (
     TINY,
     RunsCode,
     assert_bitwise_equal,
-    cli_env,
     metrics,
     one_line_error,
     read_jsonl,
     run_cli,
+    run_python,
     train,
     weights,
 )
@@ -104,10 +102,9 @@ def counted_fsdp_run(run_dir: Path, *flags: str) -> list[int]:
     """fsdp with ACCUM_2: the real Trainer under torchrun, each FSDP unit's reduce-scatter counted
     (tests/worker_accum_hooks.py). The micro-step (0 or 1) of every reduce-scatter call."""
     report_path = run_dir.parent / f"{run_dir.name}-hooks.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(REPO / "tests" / "worker_accum_hooks.py"), str(report_path), *TINY, *STEPS, *ACCUM_2,
-                           *FSDP, *flags, "--run_dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=240, env=cli_env(), cwd=REPO)
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       str(REPO / "tests" / "worker_accum_hooks.py"), str(report_path), *TINY, *STEPS, *ACCUM_2, *FSDP,
+                       *flags, "--run_dir", str(run_dir)], timeout=240)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(report_path.read_text())
     assert report["steps"] == 50 and report["micro_batches"] == 100
@@ -254,7 +251,7 @@ def test_export_consolidates_the_shards_into_one_file_a_plain_script_loads(fsdp,
               "m = nn.Sequential(nn.Flatten(), nn.Linear(192, 32), nn.ReLU(), nn.Linear(32, 10))\n"
               "m.load_state_dict({k.removeprefix('net.'): v for k, v in load_file(sys.argv[1]).items()})\n"
               "print(m(torch.zeros(1, 3, 8, 8)).shape)")
-    plain = subprocess.run([sys.executable, "-c", script, str(out)], capture_output=True, text=True, timeout=60)
+    plain = run_python(["-c", script, str(out)], timeout=60)
     assert plain.stdout.strip() == "torch.Size([1, 10])", plain.stderr
 
 

@@ -4,11 +4,10 @@ schedules, and a user's own optimizer and scheduler through `ddptrain.fit` with 
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import REPO, assert_bitwise_equal, cli_env, metrics, weights
+from helpers import REPO, assert_bitwise_equal, metrics, run_python, weights
 
 from ddptrain.config import TrainConfig
 from ddptrain.loop.optim import lr_factor, parameter_groups
@@ -58,8 +57,7 @@ def test_schedules_warm_up_then_hold_or_decay_to_the_floor(schedule, expected):
 
 
 def fit_script(run_dir, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "optim_script.py"), str(run_dir), *extra],
-                          capture_output=True, text=True, env=cli_env(), cwd=REPO, timeout=240)
+    proc = run_python([str(REPO / "tests" / "optim_script.py"), str(run_dir), *extra], timeout=240)
     assert not check or proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

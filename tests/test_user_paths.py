@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import torch
-from helpers import REPO, cli_env, metrics, one_line_error, train, weights
+from helpers import REPO, cli_env, metrics, one_line_error, run_python, train, weights
 
 JOB = ["--max_steps", "40", "--dataset_size", "2048", "--epochs", "1", "--save_every", "0"]
 
@@ -73,8 +73,7 @@ def test_runs_without_a_config_file_get_a_run_dir_per_training():
 
 
 def run_fit(cwd, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "tests" / "fit_script.py"), *args], capture_output=True,
-                          text=True, env=cli_env(), cwd=cwd, timeout=300)
+    return run_python([str(REPO / "tests" / "fit_script.py"), *args], cwd=cwd, timeout=300)
 
 
 def test_fit_resumes_only_a_run_dir_it_was_given(tmp_path):
@@ -94,14 +93,14 @@ def test_fit_resumes_only_a_run_dir_it_was_given(tmp_path):
 
 def test_fit_with_nproc_restarts_a_killed_worker_as_the_cli_does(tmp_path):
     killed = {"DDPTRAIN_FAULT": "rank=1,step=3,kind=sigkill"}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "fit_script.py"), str(tmp_path / "one"), "6", "2",
-                           "1"], capture_output=True, text=True, env=cli_env(killed), cwd=tmp_path, timeout=300)
+    proc = run_python([str(REPO / "tests" / "fit_script.py"), str(tmp_path / "one"), "6", "2", "1"], env=killed,
+                      cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "rank 1 was killed by SIGKILL; restarting the workers (1 restarts left)" in proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1])["step"] == 6
     assert "resuming from" in (tmp_path / "one" / "logs" / "rank-0.log").read_text()
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "fit_script.py"), str(tmp_path / "two"), "6", "2"],
-                          capture_output=True, text=True, env=cli_env(killed), cwd=tmp_path, timeout=300)
+    proc = run_python([str(REPO / "tests" / "fit_script.py"), str(tmp_path / "two"), "6", "2"], env=killed,
+                      cwd=tmp_path, timeout=300)
     assert proc.returncode == 1 and "failed: TrainingError: rank 1 was killed by SIGKILL" in proc.stdout, proc.stdout
 
 

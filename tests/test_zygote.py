@@ -18,8 +18,8 @@ from zygote import zygote
 def test_a_warm_launch_sees_its_own_argv_cwd_env_and_seeds(tmp_path):
     warm = zygote(cli_env(), REPO)
     env = cli_env({"PROBE": "one"})
-    first = warm.run(["3", "x y"], env=env, cwd=tmp_path, timeout=60, module="zygote_probe")
-    second = warm.run(["0"], env=cli_env({"PROBE": "two"}), cwd=REPO, timeout=60, module="zygote_probe")
+    first = warm.run(["-m", "zygote_probe", "3", "x y"], env=env, cwd=tmp_path, timeout=60)
+    second = warm.run(["-m", "zygote_probe", "0"], env=cli_env({"PROBE": "two"}), cwd=REPO, timeout=60)
     a, b = json.loads(first.stdout), json.loads(second.stdout)
     assert (first.returncode, second.returncode) == (3, 0)
     assert a["argv"] == ["3", "x y"] and b["argv"] == ["0"]
@@ -31,12 +31,24 @@ def test_a_warm_launch_sees_its_own_argv_cwd_env_and_seeds(tmp_path):
     assert first.stderr == "to stderr\nline\n"  # text mode's universal newlines, as subprocess.run
 
 
-def test_a_warm_launch_has_the_sys_path_of_a_fresh_one(tmp_path):
+PROBE_SCRIPT = str(Path(__file__).with_name("zygote_probe.py"))
+PROBE_CODE = f"import runpy, sys; sys.argv[0] = 'probe'; runpy.run_path({PROBE_SCRIPT!r}, run_name='__main__')"
+
+
+@pytest.mark.parametrize("command", [["-m", "zygote_probe"], [PROBE_SCRIPT], ["-c", PROBE_CODE]],
+                         ids=["module", "script", "code"])
+def test_a_warm_launch_has_the_argv_and_sys_path_of_a_fresh_one(command, tmp_path):
+    """`python -m MODULE`, `python SCRIPT` and `python -c CODE`: each puts its own entry first on sys.path (the
+    working directory, the script's directory, '') and its own argv[0]."""
     env = cli_env()
-    warm = zygote(env, REPO).run(["0"], env=env, cwd=tmp_path, timeout=60, module="zygote_probe")
-    cold = subprocess.run([sys.executable, "-m", "zygote_probe", "0"], env=env, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60)
-    assert json.loads(warm.stdout)["path"] == json.loads(cold.stdout)["path"]
+    args = [*command, "0", "x"]
+    warm = zygote(env, REPO).run(args, env=env, cwd=tmp_path, timeout=60)
+    cold = subprocess.run([sys.executable, *args], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert warm.returncode == cold.returncode == 0, warm.stderr + cold.stderr
+    seen, fresh = json.loads(warm.stdout), json.loads(cold.stdout)
+    assert seen["path"] == fresh["path"] and seen["argv"] == fresh["argv"] == ["0", "x"]
+    assert (seen["argv0"], seen["main"]) == (fresh["argv0"], fresh["main"])
+    assert seen["torch_preloaded"] and not fresh["torch_preloaded"]
 
 
 def test_a_shim_on_path_runs_shell_commands_as_forks(tmp_path):
@@ -78,7 +90,7 @@ def test_an_environment_read_at_import_starts_a_fresh_interpreter(monkeypatch):
 def test_a_warm_launch_forks_its_forkserver_from_itself():
     """multiprocessing's forkserver, started in a warm launch, is a fork of it, not a fresh interpreter."""
     warm = zygote(cli_env(), REPO)
-    out = warm.run(["forkserver"], env=cli_env(), cwd=REPO, timeout=60, module="zygote_probe")
+    out = warm.run(["-m", "zygote_probe", "forkserver"], env=cli_env(), cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "import zygote" in out.stdout and "forkserver import main" not in out.stdout, out.stdout
 
@@ -98,16 +110,16 @@ def test_a_warm_run_trains_bitwise_as_a_fresh_one(tmp_path, nproc):
 def test_a_warm_launch_past_its_timeout_is_killed(tmp_path):
     warm = zygote(cli_env(), REPO)
     with pytest.raises(subprocess.TimeoutExpired) as caught:
-        warm.run(["sleep"], env=cli_env(), cwd=REPO, timeout=3, module="zygote_probe")
+        warm.run(["-m", "zygote_probe", "sleep"], env=cli_env(), cwd=REPO, timeout=3)
     assert caught.value.output == "sleeping\n"
-    assert json.loads(warm.run(["0"], env=cli_env(), cwd=REPO, timeout=60, module="zygote_probe").stdout)
+    assert json.loads(warm.run(["-m", "zygote_probe", "0"], env=cli_env(), cwd=REPO, timeout=60).stdout)
 
 
 def test_a_background_launch_is_signalled_like_a_popen(tmp_path):
     """`start` (helpers.start_cli): the pid is the launched process itself, leader of its own session."""
     warm = zygote(cli_env(), REPO)
     ready = tmp_path / "sleeping"
-    proc = warm.start(["sleep"], env=cli_env({"PROBE": str(ready)}), cwd=REPO, module="zygote_probe")
+    proc = warm.start(["-m", "zygote_probe", "sleep"], env=cli_env({"PROBE": str(ready)}), cwd=REPO)
     deadline = time.monotonic() + 30
     while not ready.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()

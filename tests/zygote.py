@@ -127,7 +127,7 @@ def _start(conn: socket.socket, listener: socket.socket, waiting: dict[int, sock
 
 
 def _become(request: dict, fds: list[int]) -> None:
-    """In the forked child: turn into `python -m ddptrain ARGV` as a fresh interpreter would run it."""
+    """In the forked child: turn into `python ARGS` as a fresh interpreter would run it."""
     code = 1
     try:
         for target, fd in enumerate(fds):
@@ -140,16 +140,14 @@ def _become(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.path[0] = os.getcwd()  # as `python -m` starts it; the rest (same PYTHONPATH) is the zygote's
         import random
 
         import numpy
 
         random.seed()
         numpy.random.seed()
-        sys.argv = ["-m", *request["argv"]]
         multiprocessing.util.spawnv_passfds = _spawn_or_fork_forkserver
-        code = _run_main(request["module"])
+        code = _run_main(request["args"])
     except BaseException:
         import traceback
 
@@ -209,11 +207,24 @@ def _native_threads() -> bool:
     return len(os.listdir("/proc/self/task")) > threading.active_count()
 
 
-def _run_main(module: str) -> int:
+def _run_main(args: list[str]) -> int:
+    """Run `python ARGS` (`-m MODULE ...`, `-c CODE ...` or `SCRIPT ...`) with the argv and sys.path[0] a fresh
+    interpreter gives it (the rest of sys.path, from the same PYTHONPATH, is the zygote's); its exit status."""
     import runpy
     import threading
+    import types
 
-    code = _exit_status(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+    if args[0] == "-m":
+        sys.argv, sys.path[0] = ["-m", *args[2:]], os.getcwd()  # run_module puts the module's file in argv[0]
+        main = lambda: runpy.run_module(args[1], run_name="__main__", alter_sys=True)  # noqa: E731
+    elif args[0] == "-c":
+        sys.argv, sys.path[0] = ["-c", *args[2:]], ""
+        module = sys.modules["__main__"] = types.ModuleType("__main__")
+        main = lambda: exec(compile(args[1], "<string>", "exec"), module.__dict__)  # noqa: E731
+    else:
+        sys.argv, sys.path[0] = list(args), os.path.dirname(os.path.realpath(args[0]))
+        main = lambda: runpy.run_path(args[0], run_name="__main__")  # noqa: E731
+    code = _exit_status(main)
     try:  # what the interpreter does at exit: join non-daemon threads, run atexit handlers, flush stdio
         threading._shutdown()
         atexit._run_exitfuncs()
@@ -272,14 +283,13 @@ class Zygote:
         self.proc.stdout.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def run(self, argv: list[str], *, env: dict[str, str], cwd: Path, timeout: float,
-            module: str = "ddptrain") -> subprocess.CompletedProcess:
-        """`python -m MODULE ARGV` as subprocess.run(..., capture_output=True, text=True) runs it, but for one
+    def run(self, args: list[str], *, env: dict[str, str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        """`python ARGS` as subprocess.run(..., capture_output=True, text=True) runs it, but for one
         thing: once the process has exited, what it started gets `AFTER_EXIT_S` to finish writing rather than
         until it closes the pipes. A trainer whose loader workers share tensors by file name has torch start a
         torch_shm_manager, which inherits every descriptor and outlives it by ~2 s, writing nothing."""
-        cmd = [sys.executable, "-m", module, *argv]
-        reply, pid, out_r, err_r = self._launch(module, argv, env, cwd, new_session=False)
+        cmd = [sys.executable, *args]
+        reply, pid, out_r, err_r = self._launch(args, env, cwd, new_session=False)
         chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
         try:
             code = _collect(chunks, reply, time.monotonic() + timeout)
@@ -293,20 +303,20 @@ class Zygote:
             reply.close()
         return subprocess.CompletedProcess(cmd, code, _text(chunks[out_r]), _text(chunks[err_r]))
 
-    def start(self, argv: list[str], *, env: dict[str, str], cwd: Path, module: str = "ddptrain") -> WarmProcess:
-        """`python -m MODULE ARGV` in the background, in a session of its own, as
+    def start(self, args: list[str], *, env: dict[str, str], cwd: Path) -> WarmProcess:
+        """`python ARGS` in the background, in a session of its own, as
         subprocess.Popen(..., stdout=PIPE, stderr=PIPE, text=True, start_new_session=True) starts it."""
-        reply, pid, out_r, err_r = self._launch(module, argv, env, cwd, new_session=True)
-        return WarmProcess([sys.executable, "-m", module, *argv], reply, pid, out_r, err_r)
+        reply, pid, out_r, err_r = self._launch(args, env, cwd, new_session=True)
+        return WarmProcess([sys.executable, *args], reply, pid, out_r, err_r)
 
-    def _launch(self, module: str, argv: list[str], env: dict[str, str], cwd: Path, new_session: bool):
+    def _launch(self, args: list[str], env: dict[str, str], cwd: Path, new_session: bool):
         """Fork a launch with /dev/null for stdin and new pipes for stdout and stderr: (the zygote's reply, the
         child's pid, the pipes' read ends)."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         null = os.open(os.devnull, os.O_RDONLY)
         try:
-            reply, pid = _request(self.address, module, argv, env, str(cwd), [null, out_w, err_w], new_session)
+            reply, pid = _request(self.address, args, env, str(cwd), [null, out_w, err_w], new_session)
         finally:
             for fd in (null, out_w, err_w):
                 os.close(fd)
@@ -321,7 +331,7 @@ class Zygote:
         directory first on PATH): for tests that run shell commands, such as every documented one."""
         script = directory / module
         script.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-                          f"import zygote\nzygote.forward({self.address!r}, {module!r})\n")
+                          f"import zygote\nzygote.forward({self.address!r}, ['-m', {module!r}])\n")
         script.chmod(0o755)
         return script
 
@@ -414,13 +424,12 @@ class _Reply:
         self.conn.close()
 
 
-def _request(address: str, module: str, argv: list[str], env: dict[str, str], cwd: str, fds: list[int],
+def _request(address: str, args: list[str], env: dict[str, str], cwd: str, fds: list[int],
              new_session: bool = False):
     """Send a launch; (the zygote's reply, the child's pid), or (None, None) where the zygote refused it."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(address)
-    request = json.dumps({"module": module, "argv": argv, "env": env, "cwd": cwd,
-                          "new_session": new_session}).encode()
+    request = json.dumps({"args": args, "env": env, "cwd": cwd, "new_session": new_session}).encode()
     socket.send_fds(conn, [request], fds)
     reply = _Reply(conn)
     line = reply.wait_line()
@@ -430,12 +439,13 @@ def _request(address: str, module: str, argv: list[str], env: dict[str, str], cw
     return reply, int(line)
 
 
-def forward(address: str, module: str) -> None:
-    """The shim's body: this process's command, stdio and environment, run by the zygote; its exit code. A
-    launch the zygote refuses runs as `python -m MODULE` instead."""
-    reply, pid = _request(address, module, sys.argv[1:], dict(os.environ), os.getcwd(), [0, 1, 2])
+def forward(address: str, prefix: list[str]) -> None:
+    """The shim's body: `python PREFIX ARGS` for this process's ARGS, stdio and environment, run by the zygote;
+    its exit code. A launch the zygote refuses runs in a fresh interpreter instead."""
+    args = [*prefix, *sys.argv[1:]]
+    reply, pid = _request(address, args, dict(os.environ), os.getcwd(), [0, 1, 2])
     if reply is None:
-        os.execv(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]])
+        os.execv(sys.executable, [sys.executable, *args])
     code = int(reply.wait_line())
     if code < 0:  # killed by a signal: so is the shim
         signal.signal(-code, signal.SIG_DFL)

@@ -1,4 +1,5 @@
-"""Run by tests/test_zygote.py as `python -m zygote_probe CODE|sleep|forkserver`: prints what a launch sees."""
+"""Run by tests/test_zygote.py as `python -m zygote_probe CODE|sleep|forkserver` (or as a script, or by `-c`):
+prints what a launch sees."""
 
 import json
 import multiprocessing
@@ -24,7 +25,7 @@ def main(what: str) -> int:
         process.start()
         process.join()
         return process.exitcode
-    print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "path": sys.path, "probe": os.environ.get("PROBE"),
+    print(json.dumps({"argv0": sys.argv[0], "argv": sys.argv[1:], "cwd": os.getcwd(), "path": sys.path, "probe": os.environ.get("PROBE"),
                       "random": random.random(), "pid": os.getpid(), "ppid": os.getppid(),
                       "torch_preloaded": "torch" in sys.modules, "main": __name__}))
     print("to stderr\r\nline", file=sys.stderr)
