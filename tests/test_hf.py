@@ -72,7 +72,16 @@ def test_a_killed_gpt2_run_restarts_and_ends_bitwise(tmp_path):
                          weights(tmp_path / "killed" / "model.safetensors"))
 
 
+def first_call_settled() -> None:
+    """In about 3 % of processes with 2 intra-op threads, the process's first torch.tanh over more than one
+    thread's share (here GPT-2's gelu_new on 3,072 elements) computes the main thread's half differently, up to
+    1e-5 relative; every later call agrees (measured: 8 of 300 forked processes, the second forward equal in all
+    8). The tests below compare forwards bitwise, so none of them may be a process's first."""
+    torch.tanh(torch.linspace(-3, 3, 8192))
+
+
 def test_the_run_and_export_write_a_directory_from_pretrained_loads(whole, tmp_path):
+    first_call_settled()
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
     trained = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_pretrained(whole / "hf"))
     trained.load_state_dict(weights(whole / "model.safetensors"))
@@ -82,6 +91,7 @@ def test_the_run_and_export_write_a_directory_from_pretrained_loads(whole, tmp_p
     assert proc.returncode == 0, proc.stderr
     for directory in (whole / "hf", exported):
         loaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+        assert_bitwise_equal(loaded.state_dict(), trained.state_dict())
         torch.testing.assert_close(loaded(input_ids=tokens).logits, expected, rtol=0, atol=0)
 
 
