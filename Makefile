@@ -21,8 +21,11 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/ddptrain train --config configs/quickstart.toml
 
+# The test files run on JOBS workers: a file's tests stay together (its module fixtures run once), and the
+# files that hold a slow test start first (tests/conftest.py).
+JOBS ?= 3
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
 
 # The edit-test loop: every test that starts no process (a test is skipped where it would start one).
 test-fast: $(STAMP)

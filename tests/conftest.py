@@ -60,6 +60,10 @@ def _no_processes(request):
 
 
 def pytest_collection_modifyitems(config, items):
+    """Skip the gpu tests without a device; run the files that hold a slow test first, so that under
+    `pytest -n 3 --dist loadfile` (make test) they start at once rather than end the run alone."""
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file keeps its order
     import torch
 
     if not torch.cuda.is_available():

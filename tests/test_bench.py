@@ -39,6 +39,7 @@ def rows_by_key(record: dict) -> dict[str, dict]:
     return {row["key"]: row for row in record["rows"]}
 
 
+@pytest.mark.slow  # the harness at toy size: ~80 s, most of it in the fixture
 def test_every_section_reports_a_row_with_a_verdict(tiny_bench):
     record, stdout = tiny_bench
     rows = rows_by_key(record)

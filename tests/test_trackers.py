@@ -90,6 +90,7 @@ def _runs(client: MlflowClient, experiment: str) -> list:
     return client.search_runs([found.experiment_id]) if found else []
 
 
+@pytest.mark.slow
 def test_a_killed_preempted_and_rerun_job_is_one_mlflow_run_with_each_step_once(tmp_path, server):
     """Rank 1 SIGKILLed after step 7 once MLflow holds the line of step 6 (callback_plugins.KillWhenTracked),
     so the launcher's restart from the step-4 checkpoint trains steps 5 and 6 again; the job then preempted by
