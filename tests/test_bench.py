@@ -168,19 +168,21 @@ def test_cpu_account_charges_each_kind_of_thread_its_own_cpu():
 
     account = CpuAccount()
     child = subprocess.Popen([sys.executable, "-c", "import time\nwhile time.process_time() < 0.4: pass\n"
-                              "time.sleep(30)"])
+                              "print('burnt', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
-        done = threading.Event()
-        helper = threading.Thread(target=lambda: (burn(0.3), done.wait(30)), name="ddptrain-burner")
+        burnt, done = threading.Event(), threading.Event()
+        helper = threading.Thread(target=lambda: (burn(0.3), burnt.set(), done.wait(60)), name="ddptrain-burner")
         before = account.snapshot()
         helper.start()
-        time.sleep(1.0)  # both finish their burn meanwhile (the child's includes its interpreter's start)
+        # Both have burnt theirs (the child's includes its interpreter's start) however busy the machine is.
+        assert child.stdout.readline() == "burnt\n" and burnt.wait(60)
         after = account.snapshot()
         done.set()
         helper.join()
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
     spent = account.spent(before, after)
     assert 0.28 <= spent["ddptrain threads"] < 0.5, spent
     assert 0.2 <= spent["loader workers"] < 0.8, spent  # what the child ran after `before`
