@@ -76,7 +76,7 @@ def first_call_settled() -> None:
     """In about 3 % of processes with 2 intra-op threads, the process's first torch.tanh over more than one
     thread's share (here GPT-2's gelu_new on 3,072 elements) computes the main thread's half differently, up to
     1e-5 relative; every later call agrees (measured: 8 of 300 forked processes, the second forward equal in all
-    8). The tests below compare forwards bitwise, so none of them may be a process's first."""
+    8). The export test compares forwards bitwise, so neither of its may be the process's first."""
     torch.tanh(torch.linspace(-3, 3, 8192))
 
 

@@ -1,10 +1,11 @@
-"""A warm start for the tests' `python -m ddptrain ...` launches (helpers.run_cli).
+"""A warm start for the tests' Python launches (helpers.run_python: `python -m ddptrain ...`, test scripts,
+`python -c ...`, torchrun's launcher).
 
 Every CLI launch of the suite used to be a fresh interpreter that imported torch and torch._dynamo (which
 torch.optim imports when an optimizer is built): ~2.5 s of CPU before the first line of ddptrain ran, paid
 by some 300 launches. The zygote is one process, started once per test session, that has imported those
-and nothing of ddptrain; each launch is a fork of it that then becomes what a fresh `python -m ddptrain
-ARGS` would be: the caller's environment, working directory, stdio and sys.path, fresh random seeds,
+and nothing of ddptrain; each launch is a fork of it that then becomes what a fresh `python ARGS` would
+be: the caller's environment, working directory, stdio, argv and sys.path, fresh random seeds,
 ddptrain imported from the checkout, and an exit that runs the same shutdown (non-daemon threads joined,
 atexit handlers, stdio flushed) but for the interpreter's teardown. The launched process is still a real
 process with its own pid (`run` waits for it, `start` gives a Popen-like handle to signal); the forkservers
