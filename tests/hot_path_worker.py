@@ -34,7 +34,7 @@ from ddptrain.parallel.distributed import distributed
 
 HOST_READS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__float__", "__int__", "__index__",
               "__format__", "__repr__")
-CONTROL_FLAGS = ("drain", str(Path("ddptrain") / "parallel" / "distributed.py"))
+CONTROL_FLAGS = ("wait", str(Path("ddptrain") / "parallel" / "distributed.py"))
 
 
 class HostReadCounter:

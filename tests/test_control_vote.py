@@ -67,3 +67,25 @@ def test_a_worker_stopped_by_the_agent_after_a_peer_s_preemption_exit_is_still_a
     assert _report_failure(exc, tmp_path, started, "train") == 1, "no marker: not a preemption"
     (tmp_path / "PREEMPTED").write_text(json.dumps({"step": 9, "signal": "SIGTERM", "time": time.time()}))
     assert _report_failure(exc, tmp_path, started, "train") == 75
+
+
+def test_a_train_line_rides_on_the_vote_cast_at_its_boundary(tmp_path):
+    """Where a log step's boundary is also a cast (--log_interval 4 = --control_interval 4), the line's numbers
+    go out with the vote's flags: one collective on the control group there, not two, none between; and every
+    line is whole (loss, norm, per-rank timings)."""
+    from collections import Counter
+
+    from helpers import metrics
+
+    count = tmp_path / "collectives"
+    train(tmp_path / "run", "--model", "vote_plugins:counting_mlp", "--dataset_size", "4096", "--save_every", "0",
+          "--log_interval", "4", "--control_interval", "4", "--max_steps", "12", nproc=2,
+          env={"VOTE_COUNT_FILE": str(count)})
+    for rank in (0, 1):
+        at = Counter(int(line.split()[0]) for line in (tmp_path / f"collectives.{rank}").read_text().splitlines())
+        assert at[4] == at[8] == 1, at  # the vote and the line of step 4 (8): one gather
+        assert not any(at[step] for step in (2, 3, 5, 6, 7, 9, 10, 11)), at  # no collective of ddptrain's between
+    rows = metrics(tmp_path / "run", "train")
+    assert [r["step"] for r in rows] == [4, 8, 12]
+    for r in rows:
+        assert r["loss"] > 0 and r["grad_norm"] > 0 and len(r["step_time_s_by_rank"]) == 2 and r["nonfinite_steps"] == 0

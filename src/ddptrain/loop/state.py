@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,28 +44,31 @@ def seed_rank_rngs(seed: int, rank: int) -> None:
 
 
 class MetricWindow:
-    """The train numbers since the last log line. Sums stay on the device and are read once per log step;
-    timings and counts are host numbers of this process.
+    """The train numbers since the last log line. Device numbers stay on the device until the line is
+    written; timings and counts are host numbers of this process.
 
-    A micro-step only keeps its loss and whether it was finite; a step only keeps its non-finite flag. The
-    window adds them up when its line is written (`totals`, `flags`): a few batched ops per log step rather
-    than a dozen tiny ones per micro-step, each a dispatch on the training thread (and a kernel on a GPU). The
-    sum runs over the window's losses in order, whether or not a resume came between them: a checkpoint keeps
-    them unsummed (`state_dict`), so a resumed run logs the losses of the run it continues, to the bit.
+    A micro-step only keeps its loss and whether it was finite; a step only keeps its non-finite flag and its
+    gradient norm. At a log step `snapshot` stacks all of them into one float64 vector (one op on the training
+    thread, one copy to the host) and `WindowNumbers.read` adds them up on the host, once the copy has
+    arrived: a dozen tiny device ops per log step, or per micro-step, would each be a dispatch on the training
+    thread (and a kernel on a GPU). Sums are exactly rounded (`math.fsum`), so they do not depend on where
+    a checkpoint split the window: it keeps the losses unsummed (`state_dict`), and a resumed run logs the
+    losses of the run it continues, to the bit.
     """
 
     def __init__(self, device: torch.device, log_interval: int):
         self.device, self.log_interval = device, log_interval
+        self._float64 = torch.zeros((), dtype=torch.float64, device=device)  # makes the stacked vector float64
         self.reset()
 
     def reset(self) -> None:
         # Sums carried in from a checkpoint of an older format or of another world size (loss, count, bad).
-        self._carried: torch.Tensor | None = None
-        self._kept: list[torch.Tensor] | None = None  # a checkpoint's unsummed (losses, finite, units)
-        self._losses: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]] = []  # (loss, finite, units)
+        self._carried: tuple[float, float, float] | None = None
+        self._kept: tuple[list[float], list[float], list[float]] | None = None  # a checkpoint's (losses, finite, units)
+        self._kept_flags: list[bool] | None = None  # a checkpoint's non-finite flags, by index in the window
+        self._losses: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]] = []  # (loss, poison, units)
         self._flags: list[tuple[int, torch.Tensor]] = []  # (index in the window, non-finite step?)
-        self.bad_steps = torch.zeros(self.log_interval, dtype=torch.bool, device=self.device)
-        self.last_norm = torch.zeros((), device=self.device)
+        self.last_norm: torch.Tensor | None = None
         self.steps = 0  # optimizer steps in the window (a resumed window includes the previous process's)
         self.units = 0  # samples or tokens this rank trained on, as the task counts them
         self.data_wait = 0.0
@@ -73,11 +77,12 @@ class MetricWindow:
 
     def add_loss(self, loss: torch.Tensor, units: torch.Tensor | int = 1) -> torch.Tensor:
         """Count one micro-batch's loss, a sum over `units` (a mean: one unit), so that the logged loss is the
-        unit-weighted mean; returns whether it was finite (a device tensor)."""
+        unit-weighted mean. Returns 0 if it was finite and NaN if not (a device tensor in the loss's dtype):
+        isfinite's answer in one op, in a form that poisons what it is added to."""
         loss = loss.detach()
-        finite = loss.abs() < math.inf  # isfinite's answer in 2 ops, not 4 (NaN compares false)
-        self._losses.append((loss, finite, units))
-        return finite
+        poison = loss * 0  # inf * 0 and NaN * 0 are NaN
+        self._losses.append((loss, poison, units))
+        return poison
 
     def end_step(self, step: int, bad: torch.Tensor, norm: torch.Tensor, spans: list) -> None:
         self._flags.append(((step - 1) % self.log_interval, bad))
@@ -85,44 +90,30 @@ class MetricWindow:
         self.spans.append(spans)
         self.steps += 1
 
-    def _vectors(self) -> list[torch.Tensor]:
-        """Every loss of the window in order (float64), whether each was finite (0/1), and its units."""
-        if not self._losses:
-            empty = torch.zeros(0, dtype=torch.float64, device=self.device)
-            return self._kept or [empty, empty, empty]
-        loss, finite, units = zip(*self._losses)
-        if all(isinstance(u, int) for u in units):  # host numbers: no read of the device, and no wait on it
-            unit_vector = torch.tensor(units, dtype=torch.float64).to(self.device, non_blocking=True)
-        else:
-            unit_vector = torch.stack([torch.as_tensor(u, dtype=torch.float64, device=self.device) for u in units])
-        fresh = [torch.stack(loss).double(), torch.stack(finite).double(), unit_vector]
-        if self._kept is None:
-            return fresh
-        return [torch.cat([kept, new]) for kept, new in zip(self._kept, fresh)]
+    def snapshot(self) -> WindowNumbers:
+        """The window's device numbers as one vector (not read: nothing waits for the device) and what it
+        takes to add them up on the host (`WindowNumbers.read`)."""
+        losses, poison, units = zip(*self._losses) if self._losses else ((), (), ())
+        # A LossSum's count: a device number (a task may count on the host: moved like the rest of the batch).
+        counted = [u.to(self.device, non_blocking=True) for u in units if isinstance(u, torch.Tensor)]
+        flags = [bad for _, bad in self._flags]
+        norm = [self.last_norm] if self.last_norm is not None else []
+        vector = torch.stack([*losses, *poison, *counted, *flags, *norm, self._float64])
+        host_units = [None if isinstance(u, torch.Tensor) else float(u) for u in units]
+        return WindowNumbers(vector, host_units, [index for index, _ in self._flags], bool(norm), self.log_interval,
+                             self._kept, self._kept_flags, self._carried)
 
-    def totals(self) -> torch.Tensor:
-        """(loss sum of the finite losses, their units, non-finite losses): float64, on the device."""
-        loss, finite, units = self._vectors()
-        sums = torch.stack([torch.where(finite > 0, loss, 0.0), finite * units, 1 - finite]).sum(dim=1)
-        return sums if self._carried is None else sums + self._carried
-
-    def flags(self) -> torch.Tensor:
-        """Which steps of the window had a non-finite gradient norm (update skipped), by index in the window."""
-        if self._flags:
-            index, bad = zip(*self._flags)
-            first = index[0]
-            if list(index) == list(range(first, first + len(index))):  # the usual run of steps: a slice
-                self.bad_steps[first:first + len(index)] = torch.stack(bad)
-            else:
-                self.bad_steps[list(index)] = torch.stack(bad)
-            self._flags = []
-        return self.bad_steps
+    def totals(self) -> tuple[float, float, float]:
+        """(loss sum of the finite losses, their units, non-finite losses), read now (waits for the device)."""
+        return self.snapshot().read().sums
 
     def state_dict(self) -> dict[str, Any]:
-        loss, finite, units = (v.cpu() for v in self._vectors())
-        carried = (self._carried if self._carried is not None else torch.zeros(3, dtype=torch.float64)).cpu()
-        return {"loss": carried[0], "count": carried[1], "bad_loss": carried[2],
-                "losses": loss, "finite": finite, "units": units, "bad_steps": self.flags().cpu(),
+        numbers = self.snapshot().read()
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.float64)  # noqa: E731
+        carried = self._carried or (0.0, 0.0, 0.0)
+        return {"loss": as_tensor(carried[0]), "count": as_tensor(carried[1]), "bad_loss": as_tensor(carried[2]),
+                "losses": as_tensor(numbers.losses), "finite": as_tensor(numbers.finite),
+                "units": as_tensor(numbers.units), "bad_steps": torch.tensor(numbers.flags, dtype=torch.bool),
                 "steps": self.steps}
 
     @staticmethod
@@ -136,14 +127,60 @@ class MetricWindow:
         return {**merged, "steps": states[0]["steps"]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        carried = torch.stack([torch.as_tensor(state[key], dtype=torch.float64)
-                               for key in ("loss", "count", "bad_loss")]).to(self.device)
-        self._carried = carried if bool(carried.any()) else None
+        carried = tuple(float(state[key]) for key in ("loss", "count", "bad_loss"))
+        self._carried = carried if any(carried) else None
         # A checkpoint from before the window kept its losses has no "losses": its sums (carried) suffice.
-        self._kept = ([state[key].to(self.device, torch.float64) for key in ("losses", "finite", "units")]
+        self._kept = (tuple(state[key].double().tolist() for key in ("losses", "finite", "units"))
                       if "losses" in state else None)
-        self._losses, self._flags = [], []
+        self._losses, self._flags, self.last_norm = [], [], None
         bad_steps = state.get("bad_steps")
-        if bad_steps is not None and bad_steps.shape == self.bad_steps.shape:  # else --log_interval changed
-            self.bad_steps.copy_(bad_steps)
+        shape_kept = bad_steps is not None and tuple(bad_steps.shape) == (self.log_interval,)
+        self._kept_flags = [bool(flag) for flag in bad_steps.tolist()] if shape_kept else None  # else --log_interval changed
         self.steps = state["steps"]
+
+
+@dataclass
+class WindowTotals:
+    """A window's numbers on the host: every loss of the window in order (with whether it was finite and its
+    units), their sums, the non-finite flag of each step by index in the window, the last gradient norm."""
+
+    losses: list[float]
+    finite: list[float]
+    units: list[float]
+    sums: tuple[float, float, float]  # loss sum of the finite losses, their units, non-finite losses
+    flags: list[bool]
+    norm: float
+
+
+class WindowNumbers:
+    """A window's numbers at its log step: the device vector `MetricWindow.snapshot` stacked, and how to add
+    them up once it is on the host (`read`)."""
+
+    def __init__(self, vector: torch.Tensor, host_units: list[float | None], flag_index: list[int], has_norm: bool,
+                 log_interval: int, kept: tuple[list[float], list[float], list[float]] | None,
+                 kept_flags: list[bool] | None, carried: tuple[float, float, float] | None):
+        self.vector = vector  # losses, their poisons (0: finite), the device units, flags, norm (if any), 0
+        self._units, self._flag_index, self._has_norm = host_units, flag_index, has_norm
+        self._log_interval, self._kept, self._kept_flags, self._carried = log_interval, kept, kept_flags, carried
+
+    def read(self, values: list[float] | None = None) -> WindowTotals:
+        """The totals from the vector's `values` (read from the device now if not given); a checkpoint's
+        losses come first, its carried sums are added."""
+        values = self.vector.tolist() if values is None else values
+        n, on_device = len(self._units), self._units.count(None)
+        losses, counted = values[:n], iter(values[2 * n:2 * n + on_device])
+        finite = [1.0 if poison == 0 else 0.0 for poison in values[n:2 * n]]
+        units = [next(counted) if u is None else u for u in self._units]
+        fresh_flags = values[2 * n + on_device:2 * n + on_device + len(self._flag_index)]
+        if self._kept is not None:
+            losses, finite, units = (kept + fresh for kept, fresh in zip(self._kept, (losses, finite, units)))
+        flags = list(self._kept_flags) if self._kept_flags is not None else [False] * self._log_interval
+        for index, flag in zip(self._flag_index, fresh_flags):
+            flags[index] = bool(flag)
+        ok = [f > 0 for f in finite]
+        sums = [math.fsum(loss for loss, good in zip(losses, ok) if good),
+                math.fsum(u for u, good in zip(units, ok) if good), float(ok.count(False))]
+        if self._carried is not None:
+            sums = [math.fsum((total, carried)) for total, carried in zip(sums, self._carried)]
+        return WindowTotals(losses, finite, units, (sums[0], sums[1], sums[2]), flags,
+                            values[-2] if self._has_norm else 0.0)

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, NamedTuple, Protocol
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F

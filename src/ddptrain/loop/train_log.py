@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from ddptrain.errors import TrainingError
-from ddptrain.loop.state import MetricWindow
+from ddptrain.loop.state import MetricWindow, WindowNumbers, WindowTotals
 from ddptrain.observe import perf
 from ddptrain.observe.gpu_util import GpuUtilisation, step_breakdown, utilisation_warning
 from ddptrain.observe.metrics import MetricSinks, ProgressBar
@@ -48,8 +48,9 @@ class _Pending:
     total_steps: int
     lr: float
     bar: ProgressBar
-    values: torch.Tensor  # loss sum, count, non-finite losses, last norm, then a flag per step of the window
-    ready: Any  # CUDA: the event after their copy to the host; None on CPU
+    numbers: WindowNumbers
+    values: torch.Tensor  # the numbers' vector, on the host (CUDA: once `ready`)
+    ready: Any  # CUDA: the event after its copy to the host; None on CPU
     log_interval: int
     spans: list
     elapsed: float
@@ -57,8 +58,9 @@ class _Pending:
     units: int
     util: list[float]
     breakdown: dict[str, float] = field(default_factory=lambda: {"fwd_bwd": 0.0, "optimizer": 0.0, "forward": 0.0})
-    norm: float = 0.0
-    gather: Callable[[], list[list[float]]] | None = None
+    totals: WindowTotals | None = None
+    mine: list[float] | None = None  # this rank's numbers for the line, once on the host (`TrainLog._read`)
+    gather: Callable[[], list[list[float]]] | None = None  # every rank's, once sent
 
 
 class TrainLog:
@@ -79,7 +81,6 @@ class TrainLog:
         self._streak: dict[int, int] = {}
         self.gpu = GpuUtilisation(ctx.device)
         self._pending: _Pending | None = None
-        self._host: torch.Tensor | None = None  # CUDA: the pinned buffer the window's numbers come back in
 
     def write_memory(self, held: dict[str, int], step: int, epoch: int, strategy: str) -> None:
         """The "memory" line: what each rank holds (`held`: its parameter, gradient and optimizer bytes once
@@ -104,32 +105,47 @@ class TrainLog:
         """Start the train line of the window that ends at `step`; `finish` completes it. All ranks.
 
         Nothing here waits: the window's device numbers start for the host (on CUDA into pinned memory, no
-        sync) and, where they are on the host already (CPU), the gather of every rank's numbers starts on the
-        control group. `finish`, at the next step boundary, finds both done, so a log step stalls no rank.
+        sync); where they are on the host already (CPU) this rank's numbers for the line are ready to be sent
+        (`unsent`, `send`), at this boundary. `finish`, at the next step boundary, finds the copy and the
+        gather done, so a log step stalls no rank.
         """
         self.finish()
-        values = torch.cat([window.totals(), window.last_norm.double().view(1), window.flags().double()])
+        numbers = window.snapshot()
+        values, ready = numbers.vector, None
         if self.clock.cuda:
-            if self._host is None or self._host.shape != values.shape:
-                self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            values = self._host.copy_(values, non_blocking=True)
+            values = values.to("cpu", non_blocking=True)  # into pinned memory: nothing waits for the device
             ready = torch.cuda.Event()
             ready.record()
-        else:
-            ready = None
-        pending = _Pending(step=step, epoch=epoch, total_steps=total_steps, lr=lr, bar=bar, values=values,
-                           ready=ready, log_interval=window.log_interval, spans=window.spans,
+        pending = _Pending(step=step, epoch=epoch, total_steps=total_steps, lr=lr, bar=bar, numbers=numbers,
+                           values=values, ready=ready, log_interval=window.log_interval, spans=window.spans,
                            elapsed=time.perf_counter() - window.started, data_wait=window.data_wait,
                            units=window.units, util=self.gpu.read())  # NVML's samples of this window
         if ready is None:
-            self._start_gather(pending)
+            self._read(pending)
         self._pending = pending
 
-    def _start_gather(self, p: _Pending) -> None:
-        """Every rank's sums and timings, one all-gather on the control group, started (not waited for)."""
+    def unsent(self) -> list[float] | None:
+        """This rank's numbers of the line started at this boundary, if they are on the host and not sent yet:
+        the caller sends them (`send`) with another collective of the boundary. The same on every rank."""
+        p = self._pending
+        return p.mine if p is not None and p.gather is None and p.mine is not None else None
+
+    def send(self, rows: Callable[[], list[list[float]]] | None) -> None:
+        """The `unsent` numbers went out with another collective whose `rows` wait for every rank's; None: they
+        did not, so their own gather starts now. All ranks."""
+        assert self._pending is not None
+        self._send(self._pending, rows)
+
+    def _send(self, p: _Pending, rows: Callable[[], list[list[float]]] | None) -> None:
+        assert p.gather is None and p.mine is not None
+        p.gather = rows if rows is not None else self.ctx.start_gather_floats(p.mine)
+
+    def _read(self, p: _Pending) -> None:
+        """This rank's sums and timings for the line, from the window's numbers on the host."""
         if p.ready is not None:
             p.ready.synchronize()  # the copy (and every span's events) finished while the next step ran
-        loss_sum, count, bad_loss, p.norm = p.values[:4].tolist()
+        p.totals = p.numbers.read(p.values.tolist())
+        loss_sum, count, bad_loss = p.totals.sums
         # Times cover the steps this process ran; after a resume the restored window also holds steps that
         # the previous process timed.
         steps = max(len(p.spans), 1)
@@ -138,21 +154,22 @@ class TrainLog:
                 p.breakdown[name] += self.clock.seconds(start, end)
         # Per-rank timing for straggler detection: step time, data wait and own time (data wait + forward).
         own = (p.data_wait + p.breakdown["forward"]) / steps
-        mine = [loss_sum, count, bad_loss, p.elapsed / steps, p.data_wait / steps, own, p.units,
-                sum(p.util) / len(p.util) if p.util else math.nan]
-        p.gather = self.ctx.start_gather_floats(mine)
+        p.mine = [loss_sum, count, bad_loss, p.elapsed / steps, p.data_wait / steps, own, p.units,
+                  sum(p.util) / len(p.util) if p.util else math.nan]
 
     def finish(self) -> None:
         """Write the train line that `write` started, if any. All ranks, at the same step boundaries."""
         p, self._pending = self._pending, None
         if p is None:
             return
-        if p.gather is None:
-            self._start_gather(p)
+        if p.gather is None:  # not sent at its boundary (CUDA: read now, the copy is done), or finished early
+            if p.mine is None:
+                self._read(p)
+            self._send(p, None)
         rows = p.gather()
         ctx, step = self.ctx, p.step
         window_base = (step - 1) // p.log_interval * p.log_interval
-        flags = p.values[4:].tolist()
+        flags = p.totals.flags
         bad_steps = [window_base + i + 1 for i, flag in enumerate(flags) if flag]
         loss_sum, count = sum(r[0] for r in rows), sum(r[1] for r in rows)
         bad_loss_ranks = [rank for rank, r in enumerate(rows) if r[2] > 0]
@@ -171,7 +188,7 @@ class TrainLog:
             "lr": p.lr,
             "samples_per_sec": samples_per_sec,
             "samples_per_sec_per_rank": samples_per_sec / ctx.world_size,
-            "grad_norm": p.norm,
+            "grad_norm": p.totals.norm,
             "step_time_s": elapsed / steps,
             "data_wait_s": p.data_wait / steps,
             "fwd_bwd_s": p.breakdown["fwd_bwd"] / steps,

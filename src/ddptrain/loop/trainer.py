@@ -126,6 +126,7 @@ class Trainer(CheckpointedState):
             self.optimizer = build_optimizer(cfg, parameter_groups(cfg, module), self.peak_lr,
                                              fused=not self.parallel.sharded)
         self._fused = bool(self.optimizer.defaults.get("fused"))  # an on-device skip (see train_step)
+        self._no_yes = tuple(torch.tensor(v, device=self.ctx.device) for v in (0.0, 1.0))  # float32 flag values
         self._optimizer_stepped = False  # whether the optimizer has state (see train_step)
         # Gradient bytes held between the micro-steps of this process's first step, for the memory line
         # (None until measured, and at --grad_accum_steps 1).
@@ -353,13 +354,18 @@ class Trainer(CheckpointedState):
                 loss, units, sums = self.normaliser.split(output)
                 if self.injector.poison_loss(step):
                     loss = loss + float("nan")
-                finite = window.add_loss(loss, units)
-                # A non-finite loss on one rank must stop the update on every rank. Multiplying by NaN
-                # poisons this rank's gradients, and the gradient all-reduce carries that into the global
-                # norm checked below: the same decision everywhere, with no extra collective.
-                scaled = loss * torch.where(finite, scale.factor(sums), torch.nan)
+                poison = window.add_loss(loss, units)  # 0 for a finite loss, NaN for one that is not
+                # What backward starts from: the step's factor, or NaN for a non-finite loss. A non-finite loss
+                # on one rank must stop the update on every rank: NaN poisons this rank's gradients, and the
+                # gradient all-reduce carries that into the global norm checked below, the same decision
+                # everywhere with no extra collective. Seeding backward with it is `(loss * seed).backward()`
+                # to the bit, less one op and one autograd node.
+                seed = poison.float() + scale.factor(sums)
                 with self.profiler.region("backward"):
-                    (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+                    if self.scaler is None:
+                        loss.backward(seed)
+                    else:
+                        self.scaler.scale(loss * seed).backward()
             spans.append(("fwd_bwd", start, self.clock.now()))
             if micro == accum - 2 and self.accumulated_grad_bytes is None:
                 # After the last micro-step that only accumulates: the most gradient a rank holds during the
@@ -380,7 +386,9 @@ class Trainer(CheckpointedState):
                 torch.nn.utils.clip_grads_with_norm_(self.params, cfg.grad_clip, norm, foreach=True)
             # The gradients are averaged over ranks, so `norm` is identical on every rank: the non-finite
             # decision below is the same everywhere without another collective.
-            bad = ~(norm < math.inf)  # a norm is NaN, inf or finite and >= 0: ~isfinite in 2 ops, not 5
+            # A norm is NaN, inf or finite and >= 0: 1.0 where it is not finite, in 2 ops (float32: the fused
+            # kernel's found_inf as it is).
+            bad = torch.where(norm < math.inf, *self._no_yes)
             if cfg.on_nonfinite == "stop" and self.scaler is None:
                 if bool(bad):  # host sync, the price of stopping at the very step
                     self._stop_nonfinite([step])
@@ -398,7 +406,7 @@ class Trainer(CheckpointedState):
                     self.scaler.update()
                 else:
                     if self._fused:
-                        self.optimizer.found_inf = bad.float()  # the fused kernel skips the update on device
+                        self.optimizer.found_inf = bad  # the fused kernel skips the update on device
                     self.optimizer.step()
                 self._optimizer_stepped = True
         spans.append(("optimizer", start, self.clock.now()))
@@ -443,8 +451,12 @@ class Trainer(CheckpointedState):
         due_by_time = (main and cfg.save_every_minutes > 0
                        and time.monotonic() - self._last_save_time >= 60 * cfg.save_every_minutes)
         out_of_time = main and self._deadline is not None and time.time() >= self._deadline
-        preempt, timed, time_up, stop = self._vote.exchange(
-            step, [self.signals.received is not None, due_by_time, out_of_time, self.run_view.stop_reason is not None])
+        line = self.train_log.unsent()  # a log step's numbers (CPU): gathered with the vote when it is cast here
+        (preempt, timed, time_up, stop), rows = self._vote.exchange(
+            step, [self.signals.received is not None, due_by_time, out_of_time, self.run_view.stop_reason is not None],
+            line)
+        if line is not None:
+            self.train_log.send(rows)
         if (stop or self.run_view.stop_now) and not (preempt or time_up):
             reason = self.run_view.stop_reason or "a callback on another rank asked to stop"
             self.stopped = {"step": step, "reason": reason}

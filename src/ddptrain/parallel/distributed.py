@@ -78,16 +78,21 @@ class DistributedContext:
 
     def start_gather_floats(self, values: list[float]) -> Callable[[], list[list[float]]]:
         """Start gathering every rank's `values` on the control group; the function returned waits for them
-        and gives them indexed by rank. Must be called on all ranks, in the same order as other collectives."""
+        and gives them indexed by rank (the same lists to every caller). Must be called on all ranks, in the
+        same order as other collectives."""
         mine = torch.tensor(values, dtype=torch.float64)
         if self.world_size == 1:
             return lambda: [mine.tolist()]
-        out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        work = dist.all_gather(out, mine, group=self.control_group, async_op=True)
+        out = torch.empty(self.world_size * len(values), dtype=torch.float64)
+        work = dist.all_gather_into_tensor(out, mine, group=self.control_group, async_op=True)
+        rows: list[list[float]] = []
 
         def wait() -> list[list[float]]:
-            work.wait()
-            return [t.tolist() for t in out]
+            if not rows:
+                work.wait()
+                flat = out.tolist()
+                rows.extend(flat[i:i + len(values)] for i in range(0, len(flat), len(values)))
+            return rows
 
         return wait
 
@@ -141,39 +146,43 @@ class LaggedVote:
     """A MAX over ranks of a few flags, cast every `interval` steps and read at the step boundary after.
 
     Deciding one step after the cast costs nothing (the collective runs under that step's compute instead of
-    stalling between steps), and casting only every `interval` steps takes the tiny all-reduce and its gloo
+    stalling between steps), and casting only every `interval` steps takes the tiny collective and its gloo
     work off the other steps: a flag raised just after a cast waits `interval` + 1 steps at most. Every rank
     casts and reads at the same steps (multiples of `interval` of the steps done, which all ranks agree on),
-    so decisions stay identical.
+    so decisions stay identical. Other numbers due at a cast's boundary (a train line's) ride on the same
+    gather: one collective on the control group where there would be two.
     """
 
     def __init__(self, ctx: DistributedContext, interval: int = 1):
         self.ctx, self.interval = ctx, interval
-        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self._pending: tuple[Callable[[], list[list[float]]], int] | None = None
 
-    def exchange(self, step: int, flags: list[float]) -> list[float]:
+    def exchange(self, step: int, flags: list[float],
+                 rider: list[float] | None = None) -> tuple[list[float], Callable[[], list[list[float]]] | None]:
         """At the boundary after step `step`: the reduced flags of the vote cast one boundary before, or zeros
-        if none was; casts `flags` when `step` is a multiple of the interval.
+        if none was; casts `flags` when `step` is a multiple of the interval, with this rank's `rider` numbers
+        if given. Returns the reduced flags and, if the rider was carried, a function that waits for every
+        rank's rider numbers (indexed by rank); None if it was not (no cast here: the caller sends them).
 
-        Must be called on all ranks, at every step boundary. A world of one decides at once, every step.
+        Must be called on all ranks, at every step boundary, with a rider on all ranks or on none. A world of
+        one decides at once, every step, and carries nothing.
         """
         if self.ctx.world_size == 1:
-            return flags
+            return flags, None
         agreed = self.drain() or [0.0] * len(flags)
-        if step % self.interval == 0:
-            tensor = torch.tensor(flags, dtype=torch.float64)
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.ctx.control_group, async_op=True)
-            self._pending = (work, tensor)
-        return agreed
+        if step % self.interval != 0:
+            return agreed, None
+        rows, width = self.ctx.start_gather_floats([*flags, *(rider or [])]), len(flags)
+        self._pending = rows, width
+        return agreed, (lambda: [row[width:] for row in rows()]) if rider is not None else None
 
     def drain(self) -> list[float] | None:
         """Wait for the vote in flight, if any, and return its result. All ranks."""
         if self._pending is None:
             return None
-        work, tensor = self._pending
+        rows, width = self._pending
         self._pending = None
-        work.wait()
-        return tensor.tolist()
+        return [max(column) for column in zip(*(row[:width] for row in rows()))]
 
 
 def _pick_device(backend: str, local_rank: int) -> torch.device:
