@@ -314,11 +314,11 @@ def test_a_window_split_by_a_checkpoint_sums_to_the_bit_what_one_unbroken_window
     whole = MetricWindow(cpu, 4)
     for loss, unit in zip(losses, units):
         whole.add_loss(loss, unit)
-    whole.end_step(2, torch.tensor(True), torch.tensor(1.0), [])
+    whole.end_step(2, torch.tensor(float("inf")), [])  # a non-finite norm: step 2 skipped
     first = MetricWindow(cpu, 4)
     for loss, unit in zip(losses[:3], units[:3]):
         first.add_loss(loss, unit)
-    first.end_step(2, torch.tensor(True), torch.tensor(1.0), [])
+    first.end_step(2, torch.tensor(float("inf")), [])
     resumed, summed_only = MetricWindow(cpu, 4), MetricWindow(cpu, 4)
     resumed.load_state_dict(first.state_dict())
     loss_sum, count, bad = first.totals()  # a checkpoint from before the window kept its losses
@@ -334,7 +334,7 @@ def test_a_window_split_by_a_checkpoint_sums_to_the_bit_what_one_unbroken_window
 
     other = MetricWindow(cpu, 4)
     other.add_loss(torch.tensor(2.0), 4)
-    other.end_step(4, torch.tensor(True), torch.tensor(1.0), [])
+    other.end_step(4, torch.tensor(float("nan")), [])
     merged = MetricWindow(cpu, 4)
     merged.load_state_dict(MetricWindow.merged([whole.state_dict(), other.state_dict()]))
     assert merged.totals() == tuple(a + b for a, b in zip(whole.totals(), other.totals()))
@@ -357,7 +357,7 @@ def test_a_log_step_writes_its_line_at_the_next_boundary_and_loses_none(tmp_path
         window, bar = MetricWindow(cpu, 2), ProgressBar(False, 6, initial=0)
         for step in range(1, 7):
             window.add_loss(torch.tensor(float(step)))
-            window.end_step(step, torch.tensor(False), torch.tensor(0.5), [("fwd_bwd", 0.0, 0.001)])
+            window.end_step(step, torch.tensor(0.5), [("fwd_bwd", 0.0, 0.001)])
             if step % 2 == 0:
                 log.write(window, step, 0, 6, 0.1, bar)
                 window.reset()

@@ -47,13 +47,13 @@ class MetricWindow:
     """The train numbers since the last log line. Device numbers stay on the device until the line is
     written; timings and counts are host numbers of this process.
 
-    A micro-step only keeps its loss and whether it was finite; a step only keeps its non-finite flag and its
-    gradient norm. At a log step `snapshot` stacks all of them into one float64 vector (one op on the training
-    thread, one copy to the host) and `WindowNumbers.read` adds them up on the host, once the copy has
-    arrived: a dozen tiny device ops per log step, or per micro-step, would each be a dispatch on the training
-    thread (and a kernel on a GPU). Sums are exactly rounded (`math.fsum`), so they do not depend on where
-    a checkpoint split the window: it keeps the losses unsummed (`state_dict`), and a resumed run logs the
-    losses of the run it continues, to the bit.
+    A micro-step only keeps its loss (and its count of units, if the task counts on the device); a step only
+    keeps its gradient norm, whose finiteness is the step's non-finite flag. At a log step `snapshot` stacks
+    all of them into one float64 vector (one op on the training thread, one copy to the host) and
+    `WindowNumbers.read` adds them up on the host, once the copy has arrived: a dozen tiny device ops per log
+    step, or per micro-step, would each be a dispatch on the training thread (and a kernel on a GPU). Sums are
+    exactly rounded (`math.fsum`), so they do not depend on where a checkpoint split the window: it keeps the
+    losses unsummed (`state_dict`), and a resumed run logs the losses of the run it continues, to the bit.
     """
 
     def __init__(self, device: torch.device, log_interval: int):
@@ -66,9 +66,8 @@ class MetricWindow:
         self._carried: tuple[float, float, float] | None = None
         self._kept: tuple[list[float], list[float], list[float]] | None = None  # a checkpoint's (losses, finite, units)
         self._kept_flags: list[bool] | None = None  # a checkpoint's non-finite flags, by index in the window
-        self._losses: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | int]] = []  # (loss, poison, units)
-        self._flags: list[tuple[int, torch.Tensor]] = []  # (index in the window, non-finite step?)
-        self.last_norm: torch.Tensor | None = None
+        self._losses: list[tuple[torch.Tensor, torch.Tensor | int]] = []  # (loss, units)
+        self._norms: list[tuple[int, torch.Tensor]] = []  # (index in the window, the step's gradient norm)
         self.steps = 0  # optimizer steps in the window (a resumed window includes the previous process's)
         self.units = 0  # samples or tokens this rank trained on, as the task counts them
         self.data_wait = 0.0
@@ -77,30 +76,27 @@ class MetricWindow:
 
     def add_loss(self, loss: torch.Tensor, units: torch.Tensor | int = 1) -> torch.Tensor:
         """Count one micro-batch's loss, a sum over `units` (a mean: one unit), so that the logged loss is the
-        unit-weighted mean. Returns 0 if it was finite and NaN if not (a device tensor in the loss's dtype):
-        isfinite's answer in one op, in a form that poisons what it is added to."""
+        unit-weighted mean of the finite losses. Returns 0 if it was finite and NaN if not (a device tensor in
+        the loss's dtype): isfinite's answer in one op, in a form that poisons what it is added to."""
         loss = loss.detach()
-        poison = loss * 0  # inf * 0 and NaN * 0 are NaN
-        self._losses.append((loss, poison, units))
-        return poison
+        self._losses.append((loss, units))
+        return loss * 0  # inf * 0 and NaN * 0 are NaN
 
-    def end_step(self, step: int, bad: torch.Tensor, norm: torch.Tensor, spans: list) -> None:
-        self._flags.append(((step - 1) % self.log_interval, bad))
-        self.last_norm = norm
+    def end_step(self, step: int, norm: torch.Tensor, spans: list) -> None:
+        """A step ends with its global gradient norm: NaN or inf marks a skipped (non-finite) update."""
+        self._norms.append(((step - 1) % self.log_interval, norm))
         self.spans.append(spans)
         self.steps += 1
 
     def snapshot(self) -> WindowNumbers:
         """The window's device numbers as one vector (not read: nothing waits for the device) and what it
         takes to add them up on the host (`WindowNumbers.read`)."""
-        losses, poison, units = zip(*self._losses) if self._losses else ((), (), ())
+        losses, units = zip(*self._losses) if self._losses else ((), ())
         # A LossSum's count: a device number (a task may count on the host: moved like the rest of the batch).
         counted = [u.to(self.device, non_blocking=True) for u in units if isinstance(u, torch.Tensor)]
-        flags = [bad for _, bad in self._flags]
-        norm = [self.last_norm] if self.last_norm is not None else []
-        vector = torch.stack([*losses, *poison, *counted, *flags, *norm, self._float64])
+        vector = torch.stack([*losses, *counted, *(norm for _, norm in self._norms), self._float64])
         host_units = [None if isinstance(u, torch.Tensor) else float(u) for u in units]
-        return WindowNumbers(vector, host_units, [index for index, _ in self._flags], bool(norm), self.log_interval,
+        return WindowNumbers(vector, host_units, [index for index, _ in self._norms], self.log_interval,
                              self._kept, self._kept_flags, self._carried)
 
     def totals(self) -> tuple[float, float, float]:
@@ -132,10 +128,11 @@ class MetricWindow:
         # A checkpoint from before the window kept its losses has no "losses": its sums (carried) suffice.
         self._kept = (tuple(state[key].double().tolist() for key in ("losses", "finite", "units"))
                       if "losses" in state else None)
-        self._losses, self._flags, self.last_norm = [], [], None
+        self._losses, self._norms = [], []
         bad_steps = state.get("bad_steps")
         shape_kept = bad_steps is not None and tuple(bad_steps.shape) == (self.log_interval,)
-        self._kept_flags = [bool(flag) for flag in bad_steps.tolist()] if shape_kept else None  # else --log_interval changed
+        # Without them (--log_interval changed) the window starts with no step flagged.
+        self._kept_flags = [bool(flag) for flag in bad_steps.tolist()] if shape_kept else None
         self.steps = state["steps"]
 
 
@@ -156,11 +153,11 @@ class WindowNumbers:
     """A window's numbers at its log step: the device vector `MetricWindow.snapshot` stacked, and how to add
     them up once it is on the host (`read`)."""
 
-    def __init__(self, vector: torch.Tensor, host_units: list[float | None], flag_index: list[int], has_norm: bool,
-                 log_interval: int, kept: tuple[list[float], list[float], list[float]] | None,
-                 kept_flags: list[bool] | None, carried: tuple[float, float, float] | None):
-        self.vector = vector  # losses, their poisons (0: finite), the device units, flags, norm (if any), 0
-        self._units, self._flag_index, self._has_norm = host_units, flag_index, has_norm
+    def __init__(self, vector: torch.Tensor, host_units: list[float | None], norm_index: list[int], log_interval: int,
+                 kept: tuple[list[float], list[float], list[float]] | None, kept_flags: list[bool] | None,
+                 carried: tuple[float, float, float] | None):
+        self.vector = vector  # the losses, the units counted on the device, each step's norm, 0
+        self._units, self._norm_index = host_units, norm_index
         self._log_interval, self._kept, self._kept_flags, self._carried = log_interval, kept, kept_flags, carried
 
     def read(self, values: list[float] | None = None) -> WindowTotals:
@@ -168,19 +165,18 @@ class WindowNumbers:
         losses come first, its carried sums are added."""
         values = self.vector.tolist() if values is None else values
         n, on_device = len(self._units), self._units.count(None)
-        losses, counted = values[:n], iter(values[2 * n:2 * n + on_device])
-        finite = [1.0 if poison == 0 else 0.0 for poison in values[n:2 * n]]
+        losses, counted = values[:n], iter(values[n:n + on_device])
         units = [next(counted) if u is None else u for u in self._units]
-        fresh_flags = values[2 * n + on_device:2 * n + on_device + len(self._flag_index)]
+        norms = values[n + on_device:n + on_device + len(self._norm_index)]
+        finite = [1.0 if math.isfinite(loss) else 0.0 for loss in losses]
         if self._kept is not None:
             losses, finite, units = (kept + fresh for kept, fresh in zip(self._kept, (losses, finite, units)))
         flags = list(self._kept_flags) if self._kept_flags is not None else [False] * self._log_interval
-        for index, flag in zip(self._flag_index, fresh_flags):
-            flags[index] = bool(flag)
+        for index, norm in zip(self._norm_index, norms):
+            flags[index] = not math.isfinite(norm)
         ok = [f > 0 for f in finite]
         sums = [math.fsum(loss for loss, good in zip(losses, ok) if good),
                 math.fsum(u for u, good in zip(units, ok) if good), float(ok.count(False))]
         if self._carried is not None:
             sums = [math.fsum((total, carried)) for total, carried in zip(sums, self._carried)]
-        return WindowTotals(losses, finite, units, (sums[0], sums[1], sums[2]), flags,
-                            values[-2] if self._has_norm else 0.0)
+        return WindowTotals(losses, finite, units, (sums[0], sums[1], sums[2]), flags, norms[-1] if norms else 0.0)

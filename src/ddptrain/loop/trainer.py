@@ -410,7 +410,7 @@ class Trainer(CheckpointedState):
                     self.optimizer.step()
                 self._optimizer_stepped = True
         spans.append(("optimizer", start, self.clock.now()))
-        window.end_step(step, bad, norm, spans)
+        window.end_step(step, norm, spans)
 
     def _module_forward_started(self, module: nn.Module, args: Any) -> None:
         self._module_started = self.clock.now()
