@@ -49,7 +49,7 @@ class MetricWindow:
 
     A micro-step only keeps its loss (and its count of units, if the task counts on the device); a step only
     keeps its gradient norm, whose finiteness is the step's non-finite flag. At a log step `snapshot` stacks
-    all of them into one float64 vector (one op on the training thread, one copy to the host) and
+    all of them into one vector (one op on the training thread, one copy to the host; a second for counts) and
     `WindowNumbers.read` adds them up on the host, once the copy has arrived: a dozen tiny device ops per log
     step, or per micro-step, would each be a dispatch on the training thread (and a kernel on a GPU). Sums are
     exactly rounded (`math.fsum`), so they do not depend on where a checkpoint split the window: it keeps the
@@ -58,7 +58,7 @@ class MetricWindow:
 
     def __init__(self, device: torch.device, log_interval: int):
         self.device, self.log_interval = device, log_interval
-        self._float64 = torch.zeros((), dtype=torch.float64, device=device)  # makes the stacked vector float64
+        self._zero = torch.zeros((), device=device)  # ends the float vector: never empty
         self.reset()
 
     def reset(self) -> None:
@@ -89,14 +89,18 @@ class MetricWindow:
         self.steps += 1
 
     def snapshot(self) -> WindowNumbers:
-        """The window's device numbers as one vector (not read: nothing waits for the device) and what it
-        takes to add them up on the host (`WindowNumbers.read`)."""
+        """The window's device numbers as one or two vectors (not read: nothing waits for the device) and what
+        it takes to add them up on the host (`WindowNumbers.read`)."""
         losses, units = zip(*self._losses) if self._losses else ((), ())
-        # A LossSum's count: a device number (a task may count on the host: moved like the rest of the batch).
-        counted = [u.to(self.device, non_blocking=True) for u in units if isinstance(u, torch.Tensor)]
-        vector = torch.stack([*losses, *counted, *(norm for _, norm in self._norms), self._float64])
+        # One stack of floats (the losses, then each step's norm) and one of a LossSum's counts, if the task
+        # counts on the device: a stack of mixed dtypes costs 4x one of a single dtype.
+        vectors = [torch.stack([*losses, *(norm for _, norm in self._norms), self._zero])]
+        counted = [u if u.device == self.device else u.to(self.device, non_blocking=True)  # counted on the host
+                   for u in units if isinstance(u, torch.Tensor)]
+        if counted:
+            vectors.append(torch.stack(counted))
         host_units = [None if isinstance(u, torch.Tensor) else float(u) for u in units]
-        return WindowNumbers(vector, host_units, [index for index, _ in self._norms], self.log_interval,
+        return WindowNumbers(vectors, host_units, [index for index, _ in self._norms], self.log_interval,
                              self._kept, self._kept_flags, self._carried)
 
     def totals(self) -> tuple[float, float, float]:
@@ -150,24 +154,23 @@ class WindowTotals:
 
 
 class WindowNumbers:
-    """A window's numbers at its log step: the device vector `MetricWindow.snapshot` stacked, and how to add
-    them up once it is on the host (`read`)."""
+    """A window's numbers at its log step: the device vectors `MetricWindow.snapshot` stacked, and how to add
+    them up once they are on the host (`read`)."""
 
-    def __init__(self, vector: torch.Tensor, host_units: list[float | None], norm_index: list[int], log_interval: int,
-                 kept: tuple[list[float], list[float], list[float]] | None, kept_flags: list[bool] | None,
-                 carried: tuple[float, float, float] | None):
-        self.vector = vector  # the losses, the units counted on the device, each step's norm, 0
+    def __init__(self, vectors: list[torch.Tensor], host_units: list[float | None], norm_index: list[int],
+                 log_interval: int, kept: tuple[list[float], list[float], list[float]] | None,
+                 kept_flags: list[bool] | None, carried: tuple[float, float, float] | None):
+        self.vectors = vectors  # [the losses, each step's norm, 0], and the units counted on the device (if any)
         self._units, self._norm_index = host_units, norm_index
         self._log_interval, self._kept, self._kept_flags, self._carried = log_interval, kept, kept_flags, carried
 
-    def read(self, values: list[float] | None = None) -> WindowTotals:
-        """The totals from the vector's `values` (read from the device now if not given); a checkpoint's
+    def read(self, values: list[list[float]] | None = None) -> WindowTotals:
+        """The totals from the vectors' `values` (read from the device now if not given); a checkpoint's
         losses come first, its carried sums are added."""
-        values = self.vector.tolist() if values is None else values
-        n, on_device = len(self._units), self._units.count(None)
-        losses, counted = values[:n], iter(values[n:n + on_device])
-        units = [next(counted) if u is None else u for u in self._units]
-        norms = values[n + on_device:n + on_device + len(self._norm_index)]
+        floats, *counts = [v.tolist() for v in self.vectors] if values is None else values
+        n = len(self._units)
+        losses, norms, counted = floats[:n], floats[n:n + len(self._norm_index)], iter(counts[0] if counts else ())
+        units = [float(next(counted)) if u is None else u for u in self._units]
         finite = [1.0 if math.isfinite(loss) else 0.0 for loss in losses]
         if self._kept is not None:
             losses, finite, units = (kept + fresh for kept, fresh in zip(self._kept, (losses, finite, units)))

@@ -49,7 +49,7 @@ class _Pending:
     lr: float
     bar: ProgressBar
     numbers: WindowNumbers
-    values: torch.Tensor  # the numbers' vector, on the host (CUDA: once `ready`)
+    values: list[torch.Tensor]  # the numbers' vectors, on the host (CUDA: once `ready`)
     ready: Any  # CUDA: the event after its copy to the host; None on CPU
     log_interval: int
     spans: list
@@ -111,9 +111,9 @@ class TrainLog:
         """
         self.finish()
         numbers = window.snapshot()
-        values, ready = numbers.vector, None
+        values, ready = numbers.vectors, None
         if self.clock.cuda:
-            values = values.to("cpu", non_blocking=True)  # into pinned memory: nothing waits for the device
+            values = [v.to("cpu", non_blocking=True) for v in values]  # into pinned memory: nothing waits
             ready = torch.cuda.Event()
             ready.record()
         pending = _Pending(step=step, epoch=epoch, total_steps=total_steps, lr=lr, bar=bar, numbers=numbers,
@@ -144,7 +144,7 @@ class TrainLog:
         """This rank's sums and timings for the line, from the window's numbers on the host."""
         if p.ready is not None:
             p.ready.synchronize()  # the copy (and every span's events) finished while the next step ran
-        p.totals = p.numbers.read(p.values.tolist())
+        p.totals = p.numbers.read([v.tolist() for v in p.values])
         loss_sum, count, bad_loss = p.totals.sums
         # Times cover the steps this process ran; after a resume the restored window also holds steps that
         # the previous process timed.
