@@ -83,15 +83,14 @@ class DistributedContext:
         mine = torch.tensor(values, dtype=torch.float64)
         if self.world_size == 1:
             return lambda: [mine.tolist()]
-        out = torch.empty(self.world_size * len(values), dtype=torch.float64)
-        work = dist.all_gather_into_tensor(out, mine, group=self.control_group, async_op=True)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]  # (gloo's all_gather_into_tensor is recent)
+        work = dist.all_gather(out, mine, group=self.control_group, async_op=True)
         rows: list[list[float]] = []
 
         def wait() -> list[list[float]]:
             if not rows:
                 work.wait()
-                flat = out.tolist()
-                rows.extend(flat[i:i + len(values)] for i in range(0, len(flat), len(values)))
+                rows.extend(torch.stack(out).tolist())
             return rows
 
         return wait
