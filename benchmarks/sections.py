@@ -275,7 +275,7 @@ def interleaved(size: str, cases: list[tuple[str, str, list[str], float]], work:
                          "so the ratio rises with step time.")
             elif not passed:
                 note += (" MISS: ddptrain adds the global gradient norm (non-finite guard) and on-device loss "
-                         "sums per step, a tiny CPU all-reduce on the control group every --control_interval "
+                         "sums per step, a tiny CPU all-gather on the control group every --control_interval "
                          "steps (preemption and timed-save agreement, read one step late) and a log step every "
                          "--log_interval steps; on a 2-core machine its threads (gloo's, the batch receiver) take "
                          "CPU from the same cores.")

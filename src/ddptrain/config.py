@@ -145,7 +145,7 @@ class TrainConfig:
     gradient_as_bucket_view: bool = opt(True, "gradients alias DDP's buckets (saves a copy and memory)",
                                         group="distributed")
     control_interval: int = opt(10, "agree on preemption and timed saves every N steps (one tiny CPU "
-                                "all-reduce; a signal is acted on within N + 1 steps)", min=1, group="distributed")
+                                "all-gather; a signal is acted on within N + 1 steps)", min=1, group="distributed")
 
     # --- run dir and checkpoints ----------------------------------------------------------------
     run_dir: str = opt("", "run directory (default runs/<config file stem>, or runs/default); keep it the "

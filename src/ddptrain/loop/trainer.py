@@ -439,7 +439,7 @@ class Trainer(CheckpointedState):
 
     # --- between steps: control flags, saves -----------------------------------------------------
     def _between_steps(self) -> None:
-        """Act on preemption and timed saves at a step boundary, agreed by one tiny CPU all-reduce.
+        """Act on preemption and timed saves at a step boundary, agreed by one tiny CPU all-gather.
 
         Signals and clocks differ between ranks; the MAX over ranks makes the decision the same everywhere.
         The vote is cast every --control_interval steps and read one step later (see `LaggedVote`), so
