@@ -93,6 +93,14 @@ def per_sample_loss(cfg):
                      lambda per_sample, hits, n: {"loss": (per_sample.sum(), n)})
 
 
+def per_sample_sum(cfg):
+    """A LossSum whose total was left unreduced: one value per sample."""
+    from ddptrain import LossSum
+
+    return _Classify(lambda per_sample: LossSum(per_sample, len(per_sample)),
+                     lambda per_sample, hits, n: {"loss": (per_sample.sum(), n)})
+
+
 def int_metric(cfg):
     """A metric counted in Python ints: a sum of `int(hits)` over `n` samples."""
     return _Classify(lambda per_sample: per_sample.mean(),

@@ -27,6 +27,8 @@ BAD_INPUTS = {
                                  "item 0 has ['labels', 'x']", "same structure"]),
     "a per-sample loss": (["--task", "bad_plugins:per_sample_loss"],
                           ["--task bad_plugins:per_sample_loss", "shape (32,)", ".mean()", "LossSum"]),
+    "a LossSum of per-sample losses": (["--task", "bad_plugins:per_sample_sum"],
+                                       ["--task bad_plugins:per_sample_sum", "LossSum", "shape (32,)", ".sum()"]),
     "a metric in Python ints": (["--task", "bad_plugins:int_metric"],
                                 ["--task bad_plugins:int_metric", "metric 'accuracy'", "an int", "scalar tensor"]),
     "a metric without its count": (["--task", "bad_plugins:unpaired_metric"],
