@@ -69,3 +69,23 @@ class KillWhenTracked(ddptrain.Callback):
             time.sleep(0.05)
         flag.unlink()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class AskToStop(ddptrain.Callback):
+    """Rank $STOP_RANK asks to stop at the boundary of step $STOP_STEP, through the vote (a decision one rank
+    takes alone). No state of its own: a restart from a later checkpoint never asks again, so a request that the
+    checkpoint forgot is lost."""
+
+    def on_step_end(self, run):
+        if run.rank == int(os.environ["STOP_RANK"]) and run.step == int(os.environ["STOP_STEP"]):
+            run.request_stop(f"asked at step {run.step}")
+
+
+class KillAfterCheckpoint(ddptrain.Callback):
+    """A fault right after a decision: in the first incarnation, rank $KILL_RANK SIGKILLs itself as it hears that
+    the checkpoint of step $KILL_STEP committed."""
+
+    def on_checkpoint(self, run, step):
+        if (run.rank == int(os.environ["KILL_RANK"]) and step == int(os.environ["KILL_STEP"])
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -83,6 +83,79 @@ def test_early_stopping_stops_every_rank_at_the_same_step_and_keeps_its_patience
             (tmp_path / "logs" / f"rank-{rank}.log").read_text()
 
 
+# 4 steps an epoch; the first eval (step 4) sets the best, no later one improves by 10: patience 1 is spent at 8.
+STOP_AT_EPOCH_END = ["--epochs", "6", "--early_stop_metric", "loss", "--early_stop_patience", "1",
+                     "--early_stop_min_delta", "10"]
+
+
+def test_a_stop_decided_at_an_epoch_end_eval_ends_the_run_there_and_a_kill_after_it_does_not_undo_it(tmp_path):
+    """The eval at the end of epoch 2 (step 8) exhausts the patience: the run stops at step 8, with no step 9.
+    Rank 1 SIGKILLed as it hears that step 8's checkpoint committed (after the decision): the restart resumes
+    from step 8, knows the run stopped there, trains nothing and ends bitwise as the uninterrupted run."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train(ref, *STOP_AT_EPOCH_END, nproc=2)
+    assert max(r["step"] for r in metrics(ref, "train")) == 8
+    assert [r["step"] for r in metrics(ref, "eval")] == [4, 8]
+    assert "stopping at step 8: early stopping" in (ref / "logs" / "rank-0.log").read_text()
+    proc = train(run, *STOP_AT_EPOCH_END, "--callbacks", "callback_plugins:KillAfterCheckpoint", "--max_restarts",
+                 "1", nproc=2, env={"KILL_RANK": "1", "KILL_STEP": "8"})
+    assert_restarted(proc, run, from_step=8)
+    assert "run stopped early at step 8 (early stopping" in (run / "logs" / "rank-0.log").read_text()
+    assert max(r["step"] for r in metrics(run, "train")) == 8
+    assert last_committed(run).name == "step-8"
+    assert_bitwise_equal(weights(run / "model.safetensors"), weights(ref / "model.safetensors"))
+
+
+@pytest.mark.parametrize("asked_at, saves", [(6, "3"), (5, "5")], ids=["voted-before-the-save", "asked-before-the-vote"])
+def test_a_stop_in_the_vote_when_a_checkpoint_is_taken_is_made_again_after_a_kill(tmp_path, asked_at, saves):
+    """Rank 1 alone asks to stop at step 5 or 6; the vote (every 2 steps) carries it at 6 and is read at 7, so the
+    run stops at 7. A checkpoint at the request's step holds it either in the vote in flight (asked at 6: cast
+    at that very boundary) or as rank 1's request not yet cast (asked at 5): rank 0 SIGKILLed in step 7, the
+    restart resumes from that checkpoint and stops at 7, bitwise as the uninterrupted run. A checkpoint that
+    forgot the request would train on to the end (16 steps)."""
+    job = ["--epochs", "4", "--callbacks", "callback_plugins:AskToStop", "--control_interval", "2",
+           "--save_every", "0", "--save_every_steps", saves, "--keep_last", "0"]
+    asked = {"STOP_RANK": "1", "STOP_STEP": str(asked_at)}
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    train(ref, *job, nproc=2, env=asked)
+    assert max(r["step"] for r in metrics(ref, "train")) == 7
+    proc = train(run, *job, "--max_restarts", "1", nproc=2,
+                 env={**asked, "DDPTRAIN_FAULT": "rank=0,step=7,kind=sigkill"})
+    assert_restarted(proc, run, from_step=asked_at)
+    assert max(r["step"] for r in metrics(run, "train")) == 7
+    assert f"stopping at step 7: asked at step {asked_at}" in (run / "logs" / "rank-1.log").read_text()
+    assert_bitwise_equal(weights(run / "model.safetensors"), weights(ref / "model.safetensors"))
+
+
+# Evals at steps 1 and 2; the second exhausts patience 1: the run stops at step 2.
+STOP_AT_2 = ["--epochs", "2", "--eval_every_steps", "1", "--early_stop_metric", "loss", "--early_stop_patience", "1",
+             "--early_stop_min_delta", "10", "--control_interval", "1"]
+
+
+@pytest.mark.parametrize("notice", ["sigterm", "max_time"])
+def test_a_preemption_at_the_boundary_of_an_agreed_stop_keeps_the_stop(tmp_path, notice):
+    """A SIGTERM in step 1 (rank 1) or --max_time over by the end of step 1 (rank 0 stalls 1 s in it) is read at
+    the boundary of step 2, where the eval also decides to stop: the preemption checkpoint holds the stop, so
+    the rerun trains nothing and ends bitwise as the run never preempted (which stops at step 2)."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    # The model that signals its own process (vote_plugins) is the built-in MLP until its step comes.
+    job = [*STOP_AT_2, *(["--model", "vote_plugins:signalling_mlp"] if notice == "sigterm" else [])]
+    never = {"VOTE_SIGNAL_RANK": "1", "VOTE_SIGNAL_STEP": "99"}
+    train(ref, *job, nproc=2, env=never)
+    assert max(r["step"] for r in metrics(ref, "train")) == 2
+    if notice == "sigterm":
+        first = train(run, *job, nproc=2, check=False, env={"VOTE_SIGNAL_RANK": "1", "VOTE_SIGNAL_STEP": "1"})
+    else:
+        first = train(run, *job, "--max_time", "1", nproc=2, check=False,
+                      env={**never, "DDPTRAIN_FAULT": "rank=0,step=1,kind=stall,seconds=1"})
+    assert first.returncode == 75, first.stderr[-3000:]
+    assert last_committed(run).name == "step-2"
+    train(run, *job, nproc=2, env=never)
+    assert "run stopped early at step 2 (early stopping" in (run / "logs" / "rank-0.log").read_text()
+    assert max(r["step"] for r in metrics(run, "train")) == 2
+    assert_bitwise_equal(weights(run / "model.safetensors"), weights(ref / "model.safetensors"))
+
+
 def test_max_time_saves_and_exits_75_and_the_rerun_ends_as_an_uninterrupted_run(tmp_path):
     """--max_time 1 is over by the end of step 1 (rank 0 stalls 1 s in it, however fast the launch): the vote
     cast at step 1 is read at step 2, which is saved; exit 75, the run incomplete. The same command without the
@@ -220,3 +293,34 @@ def test_the_best_checkpoint_is_kept_apart_from_retention_through_a_restart(tmp_
         exported = run_cli(["export", str(source), str(out)])
         assert exported.returncode == 0, exported.stderr
     assert_bitwise_equal(weights(tmp_path / "best.safetensors"), weights(tmp_path / "ref.safetensors"))
+
+
+@pytest.mark.parametrize("fault", ["leftover-tmp-file", "enospc-once"])
+def test_a_best_checkpoint_that_could_not_be_kept_is_kept_from_retention_and_made_at_the_next_save(tmp_path, fault):
+    """The best is step 2's (as above). Making best/ fails there once: a file left as .best.tmp by an earlier
+    crash, or a full disk (ENOSPC) in the copy. Retention (--keep_last 1) must not delete step 2 meanwhile: the
+    save of step 4 makes it best/, and the run exits 0 with best/ bitwise step 2's."""
+    env = {}
+    if fault == "leftover-tmp-file":
+        (tmp_path / "checkpoints").mkdir()
+        (tmp_path / "checkpoints" / ".best.tmp").write_text("left by a crash")
+    else:
+        env = {"DDPTRAIN_FAULT": "rank=0,step=2,kind=ioerror,at=best,times=1"}
+    train(tmp_path, *BEST, nproc=2, env=env)
+    best = tmp_path / "checkpoints" / "best"
+    assert json.loads((best / "manifest.json").read_text())["step"] == 2
+    assert [p.name for p in (tmp_path / "checkpoints").glob("step-*")] == ["step-8"]
+    assert not (tmp_path / "checkpoints" / ".best.tmp").exists()
+
+
+def test_a_best_checkpoint_that_could_never_be_kept_fails_the_finished_run_and_keeps_its_step(tmp_path):
+    """best/ fails at every try (a disk that stays full): the run trains to the end and writes its weights, then
+    exits 1 with one line that names the checkpoint owed to best/, which retention kept (step-2)."""
+    proc = train(tmp_path, *BEST, nproc=2, check=False,
+                 env={"DDPTRAIN_FAULT": "rank=0,step=2,kind=ioerror,at=best,times=99"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "could not keep the best checkpoint" in proc.stderr and "step-2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (tmp_path / "model.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-2", "step-8"]
+    assert not (tmp_path / "checkpoints" / "best").exists()

@@ -271,6 +271,7 @@ class Trainer(CheckpointedState):
             self._wait_for_checkpoint()
         bar.close()
         self._export_weights()
+        self.checkpoints.confirm_best()  # after the weights: a best/ that could not be made fails a finished run
         summary = self._summary(self._last_eval, time.perf_counter() - started)
         self.callbacks.call("on_train_end", self.run_view, summary)
         return summary
@@ -435,6 +436,8 @@ class Trainer(CheckpointedState):
             self.sinks.write({"time": time.time(), "step": pos.step, "epoch": pos.epoch, "split": "eval", **result})
         self._last_eval = {"step": pos.step, **result}
         self.callbacks.call("on_eval", self.run_view, result)
+        if self.run_view.stop_now:  # a decision on these metrics, the same on every rank: this is the last step
+            self._agree_to_stop(pos.step, self.run_view.stop_reason)
         return self._last_eval
 
     # --- between steps: control flags, saves -----------------------------------------------------
@@ -452,17 +455,15 @@ class Trainer(CheckpointedState):
                        and time.monotonic() - self._last_save_time >= 60 * cfg.save_every_minutes)
         out_of_time = main and self._deadline is not None and time.time() >= self._deadline
         line = self.train_log.unsent()  # a log step's numbers (CPU): gathered with the vote when it is cast here
-        (preempt, timed, time_up, stop), rows = self._vote.exchange(
+        (preempt, timed, time_up, stop), rows = self._vote.exchange(  # in the order of VOTE_FLAGS
             step, [self.signals.received is not None, due_by_time, out_of_time, self.run_view.stop_reason is not None],
             line)
         if line is not None:
             self.train_log.send(rows)
-        if (stop or self.run_view.stop_now) and not (preempt or time_up):
-            reason = self.run_view.stop_reason or "a callback on another rank asked to stop"
-            self.stopped = {"step": step, "reason": reason}
-            log.info("stopping at step %d: %s", step, reason)
+        if stop or self.run_view.stop_now:
+            self._agree_to_stop(step, self.run_view.stop_reason or "a callback on another rank asked to stop")
         if preempt or time_up:
-            self.save()
+            self.save()  # holds a stop agreed at this step: the rerun ends here, as the run would have
             self._wait_for_checkpoint()  # raises if it did not commit: no preemption claims a save it lacks
             signal_name = (self.signals.received or "a peer's signal") if preempt else f"--max_time {cfg.max_time}"
             if self.ctx.is_main:
@@ -477,6 +478,13 @@ class Trainer(CheckpointedState):
         if timed or (cfg.save_every_steps and step % cfg.save_every_steps == 0) or self.run_view.best_wanted:
             self.save()
 
+    def _agree_to_stop(self, step: int, reason: str) -> None:
+        """Record the stop every rank agreed on at this step: no step follows, and every later checkpoint holds
+        it, so a run killed or preempted after the decision makes it again at the same step. All ranks."""
+        if self.stopped is None:
+            self.stopped = {"step": step, "reason": reason}
+            log.info("stopping at step %d: %s", step, reason)
+
     def save(self) -> None:
         """Checkpoint the current position (skipped if this step is already saved), kept as best/ if a callback
         asked. All ranks."""
@@ -490,6 +498,8 @@ class Trainer(CheckpointedState):
         if self._sample_log is not None:
             self._sample_log.flush()
         self.parallel.sync_buffers()
+        # A vote cast at this boundary is read at the next: settled now, its outcome rides in the checkpoint.
+        self._vote.settle()
         self.checkpoints.save(Position(**vars(self.position)), self.snapshot, self.rank_state(), best)
         self._last_save_time = time.monotonic()
         self._announce_checkpoint()

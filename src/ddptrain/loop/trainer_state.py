@@ -13,6 +13,9 @@ from ddptrain.loop.state import MetricWindow, rng_state, seed_rank_rngs, set_rng
 
 log = logging.getLogger("ddptrain")
 
+# The flags of the control vote (`Trainer._between_steps`), in the order it casts them.
+VOTE_FLAGS = ("preempt", "timed", "time_up", "stop")
+
 # Settings of how an update is computed, not of what it computes (the strategy chooses fused or foreach).
 _IMPLEMENTATION = ("initial_lr", "foreach", "fused", "capturable", "differentiable")
 
@@ -25,7 +28,8 @@ class CheckpointedState:
     def rank_state(self) -> dict[str, Any]:
         """What differs between ranks and a checkpoint gathers from each: RNG streams, the unlogged metric window,
         a stream's position."""
-        state = {**rng_state(self.ctx.device), "window": self.window.state_dict()}
+        state = {**rng_state(self.ctx.device), "window": self.window.state_dict(),
+                 "stop_request": self.run_view.stop_reason}  # asked on this rank, perhaps not yet voted on
         if self.stream is not None:
             state["stream"] = self.stream_position.state_dict()
         if self.callbacks:
@@ -37,8 +41,11 @@ class CheckpointedState:
         all ranks when sharded: each then contributes its shards of model and optimizer."""
         scaler = self.scaler.state_dict() if self.scaler is not None else None
         # The last eval: a resumed run neither repeats it at the same step nor reports none at the end.
+        # A stop in the vote read at the next boundary (settled before the save) is a decision already taken.
+        settled = self._vote.settled
         trainer = {"scheduler": self.scheduler.state_dict(), "scaler": scaler, "log": self.train_log.state_dict(),
-                   "stopped": self.stopped, "last_eval": self._last_eval}
+                   "stopped": self.stopped, "last_eval": self._last_eval,
+                   "stop_voted": bool(settled and settled[VOTE_FLAGS.index("stop")])}
         position, config = Position(**vars(self.position)), self.cfg.to_dict()
         if self.parallel.sharded:
             from ddptrain.checkpoints import shards  # DCP: imported by sharded runs only (~1 s of CPU)
@@ -101,8 +108,15 @@ class CheckpointedState:
         if self.stream is not None:
             self.stream_position.load_state_dict(saved_stream, self.ctx.world_size, self.cfg.num_workers)
         self.stopped = loaded.trainer.get("stopped")
+        if loaded.trainer.get("stop_voted"):
+            # Of the vote in flight at the save, only the stop outlives that process (its signals and clock do not).
+            self._vote.settled = [float(flag == "stop") for flag in VOTE_FLAGS]
         self._last_eval = loaded.trainer.get("last_eval", {})
         own = rngs[self.ctx.rank] if saved.world_size == self.ctx.world_size else rngs[0]
+        requests = [rank.get("stop_request") for rank in rngs]
+        # A request not yet agreed on is cast again at the next vote; on another world size by rank 0.
+        self.run_view.stop_reason = (own.get("stop_request") if saved.world_size == self.ctx.world_size
+                                     else next((r for r in requests if r), None) if self.ctx.is_main else None)
         self.callbacks.load_state_dict(own.get("callbacks", {}), rngs[0].get("callbacks", {}))  # another world: 0's
         if saved.world_size == self.ctx.world_size:
             set_rng_state(rngs[self.ctx.rank], self.ctx.device)

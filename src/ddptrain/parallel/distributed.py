@@ -155,6 +155,8 @@ class LaggedVote:
     def __init__(self, ctx: DistributedContext, interval: int = 1):
         self.ctx, self.interval = ctx, interval
         self._pending: tuple[Callable[[], list[list[float]]], int] | None = None
+        # The outcome of a vote waited for early (`settle`) or carried over a restart: the next read's result.
+        self.settled: list[float] | None = None
 
     def exchange(self, step: int, flags: list[float],
                  rider: list[float] | None = None) -> tuple[list[float], Callable[[], list[list[float]]] | None]:
@@ -167,7 +169,8 @@ class LaggedVote:
         one decides at once, every step, and carries nothing.
         """
         if self.ctx.world_size == 1:
-            return flags, None
+            settled, self.settled = self.settled, None
+            return (flags if settled is None else [max(pair) for pair in zip(flags, settled)]), None
         agreed = self.drain() or [0.0] * len(flags)
         if step % self.interval != 0:
             return agreed, None
@@ -175,8 +178,19 @@ class LaggedVote:
         self._pending = rows, width
         return agreed, (lambda: [row[width:] for row in rows()]) if rider is not None else None
 
+    def settle(self) -> list[float] | None:
+        """Wait for the vote in flight now, if any, and keep its result for the next read, which it is then
+        whatever happens in between (a checkpoint records it, so a restarted run reads it at the same step).
+        Returns the kept result. All ranks."""
+        if self._pending is not None:
+            self.settled = self.drain()
+        return self.settled
+
     def drain(self) -> list[float] | None:
-        """Wait for the vote in flight, if any, and return its result. All ranks."""
+        """Wait for the vote in flight, if any, and return its result (or the settled one). All ranks."""
+        if self.settled is not None:
+            settled, self.settled = self.settled, None
+            return settled
         if self._pending is None:
             return None
         rows, width = self._pending
