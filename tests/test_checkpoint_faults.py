@@ -187,7 +187,7 @@ def test_retention_keeps_the_newest_and_survives_a_failed_delete(tmp_path, monke
     from ddptrain.checkpoints.manager import CheckpointManager
 
     manager = CheckpointManager.__new__(CheckpointManager)
-    manager.directory, manager.keep_last = tmp_path / "checkpoints", 1
+    manager.directory, manager.keep_last, manager._best_owed = tmp_path / "checkpoints", 1, None
 
     def refuse(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))

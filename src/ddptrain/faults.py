@@ -9,6 +9,7 @@ A spec is ``key=value`` pairs separated by commas, from ``--inject_fault`` or ``
     rank=0,step=6,kind=sigkill,at=save    # dies while writing the checkpoint of step 6 (sharded: its shards)
     rank=1,step=6,kind=raise,at=snapshot  # fails taking its state for the checkpoint of step 6, before any write
     rank=0,step=6,kind=ioerror,at=load,times=2  # reading checkpoint step-6 fails with EIO twice, then works
+    rank=0,step=6,kind=ioerror,at=best,times=2  # keeping step-6 as best/ fails with ENOSPC twice, then works
     rank=0,step=6,kind=corrupt-checkpoint # flips a byte in the checkpoint of step 6 after it commits
     rank=0,step=4,kind=stall,at=save,seconds=30  # a slow checkpoint write: sleeps 30 s, then goes on
 
@@ -35,7 +36,7 @@ from pathlib import Path
 from ddptrain.errors import UsageError
 
 KINDS = ("raise", "sigkill", "exit", "hang", "stall", "nan", "corrupt-checkpoint", "ioerror")
-PLACES = ("step", "save", "snapshot", "load")
+PLACES = ("step", "save", "snapshot", "load", "best")
 ENV_VAR = "DDPTRAIN_FAULT"
 
 
@@ -79,8 +80,8 @@ class FaultSpec:
             raise UsageError(f"{source}: kind must be one of {', '.join(KINDS)}")
         if fields.get("at", "step") not in PLACES:
             raise UsageError(f"{source}: at must be one of {', '.join(PLACES)}")
-        if (fields["kind"] == "ioerror") != (fields.get("at") == "load"):
-            raise UsageError(f"{source}: kind=ioerror goes with at=load, and at=load with kind=ioerror")
+        if (fields["kind"] == "ioerror") != (fields.get("at") in ("load", "best")):
+            raise UsageError(f"{source}: kind=ioerror goes with at=load or at=best, and they with kind=ioerror")
         return cls(kind=fields["kind"], at=fields.get("at", "step"), **ints)
 
 
@@ -119,10 +120,18 @@ class FaultInjector:
 
     def at_load(self, step: int) -> None:
         """Called before each attempt to read checkpoint step-`step`: kind=ioerror raises EIO `times` times."""
-        if self._due(step, "load"):
+        self._io_error(step, "load", errno.EIO, f"reading the checkpoint of step {step}")
+
+    def at_best(self, step: int) -> None:
+        """Called on rank 0 before each attempt to make step-`step` best/: kind=ioerror raises ENOSPC (a full
+        disk in the copy) `times` times."""
+        self._io_error(step, "best", errno.ENOSPC, f"keeping the checkpoint of step {step} as best/")
+
+    def _io_error(self, step: int, at: str, code: int, what: str) -> None:
+        if self._due(step, at):
             left = self.spec.times - 1
             self.spec = replace(self.spec, times=left) if left > 0 else None
-            raise OSError(errno.EIO, f"injected fault kind=ioerror reading the checkpoint of step {step}")
+            raise OSError(code, f"injected fault kind=ioerror {what}")
 
     def after_commit(self, step: int, ckpt_dir: Path) -> None:
         """kind=corrupt-checkpoint: flip one byte in the middle of the committed model file (a sharded

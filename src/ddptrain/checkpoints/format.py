@@ -171,7 +171,7 @@ def keep_as_best(directory: Path, step_dir: Path) -> Path:
     A reader sees the old best/ or the new one, or, after a crash between the two renames, none and a
     .best.old beside it."""
     tmp, old, best = directory / f".{BEST}.tmp", directory / f".{BEST}.old", directory / BEST
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove(tmp)  # an earlier attempt's leftover, whatever it is
     for source in sorted(step_dir.rglob("*")):
         target = tmp / source.relative_to(step_dir)
         if source.is_dir():
@@ -184,12 +184,20 @@ def keep_as_best(directory: Path, step_dir: Path) -> Path:
             shutil.copy2(source, target)
     if not (tmp / MANIFEST).is_file():
         raise CheckpointError(f"{step_dir} is not a committed checkpoint (no {MANIFEST})")
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
     if best.exists():
         best.rename(old)
     tmp.rename(best)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
     return best
+
+
+def _remove(path: Path) -> None:
+    """Delete `path`, a directory tree or a file, if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def read_manifest(path: Path) -> dict[str, Any] | None:

@@ -62,6 +62,10 @@ class CheckpointManager:
         self._staging: Any = None  # the last async save's CPU copy: its memory is reused by the next one
         self._in_flight: int | None = None  # the step of an async save not yet agreed on by `wait`
         self.last_saved_step = -1  # the newest step whose checkpoint every rank agreed committed
+        # Rank 0: the committed checkpoint that should be best/ but could not be made so yet. Retention keeps
+        # it, each later save tries again, and `confirm_best` fails the run if it never was.
+        self._best_owed: Path | None = None
+        self._best_error = ""
         self.origin = ""  # the --resume_from checkpoint that started this run's line, recorded in manifests
 
     def save(self, position: Position, make_snapshot: Callable[[], Snapshot], rng_state: dict[str, Any],
@@ -176,9 +180,7 @@ class CheckpointManager:
             return message
         log.info("checkpoint committed: %s (%d shard files, %.2f s)", target, len(files) - 1,
                  time.perf_counter() - started)
-        if best:
-            self._keep_best(target)
-        self.purge(keep_step=snap.position.step)
+        self._retain(target, best)
         return None
 
     def _in_background(self, work: Callable[[], str | None], name: str) -> None:
@@ -258,10 +260,14 @@ class CheckpointManager:
             log.error("checkpoint of step %d not committed: %s", snap.position.step, message)
             return message
         log.info("checkpoint committed: %s (%.2f s)", path, time.perf_counter() - started)
-        if best:
-            self._keep_best(path)
-        self.purge(keep_step=snap.position.step)
+        self._retain(path, best)
         return None
+
+    def _retain(self, committed: Path, best: bool) -> None:
+        """Rank 0, after a commit: best/ (this checkpoint if `best`, else one still owed), then retention."""
+        if best or self._best_owed is not None:
+            self._keep_best(committed if best else self._best_owed)
+        self.purge(keep_step=int(STEP_DIR.match(committed.name).group(1)))
 
     def keep_best(self, step: int) -> None:
         """Make the checkpoint of `step`, saved already (perhaps in flight), DIRECTORY/best. All ranks."""
@@ -270,12 +276,30 @@ class CheckpointManager:
             self._keep_best(self.directory / f"step-{step}")
 
     def _keep_best(self, step_dir: Path) -> None:
-        """Rank 0. The checkpoint committed, so a failure here is logged as an error, not training's."""
+        """Rank 0. The checkpoint committed, so a failure here does not fail the save: the checkpoint is owed
+        to best/, kept from retention and tried again at the next save."""
         try:
+            if self.injector is not None:
+                self.injector.at_best(int(STEP_DIR.match(step_dir.name).group(1)))
             log.info("best checkpoint: %s", keep_as_best(self.directory, step_dir))
+            self._best_owed = None
         except Exception as exc:
-            log.error("best checkpoint: could not keep %s as %s (%s: %s); the checkpoint itself is committed",
-                      step_dir, self.directory / BEST, type(exc).__name__, exc)
+            self._best_owed, self._best_error = step_dir, f"{type(exc).__name__}: {exc}"
+            log.error("best checkpoint: could not keep %s as %s (%s); the checkpoint is committed and kept, and "
+                      "the next save tries again", step_dir, self.directory / BEST, self._best_error)
+
+    def confirm_best(self) -> None:
+        """At the end of the run: the best checkpoint is best/, or every rank raises naming it. All ranks."""
+        self.wait()
+        error = None
+        if self.ctx.is_main and self._best_owed is not None:
+            self._keep_best(self._best_owed)  # a last try
+            if self._best_owed is not None:
+                error = (f"could not keep the best checkpoint {self._best_owed} as {self.directory / BEST} "
+                         f"({self._best_error}); it is committed and kept: copy it there by hand")
+        error = self.ctx.broadcast_object(error)
+        if error is not None:
+            raise TrainingError(error)
 
     def purge(self, keep_step: int) -> None:
         """Delete committed checkpoints beyond `keep_last` and stale partial dirs. Rank 0; never raises.
@@ -286,7 +310,7 @@ class CheckpointManager:
         if self.keep_last <= 0:
             return
         committed = committed_steps(self.directory)
-        doomed = [p for step, p in committed[self.keep_last:] if step != keep_step]
+        doomed = [p for step, p in committed[self.keep_last:] if step != keep_step and p != self._best_owed]
         newest = committed[0][0] if committed else keep_step
         for child in self.directory.iterdir():
             match = STEP_DIR.match(child.name)
