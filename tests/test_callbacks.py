@@ -324,3 +324,26 @@ def test_a_best_checkpoint_that_could_never_be_kept_fails_the_finished_run_and_k
     assert (tmp_path / "model.safetensors").exists()
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-2", "step-8"]
     assert not (tmp_path / "checkpoints" / "best").exists()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_best_chosen_by_an_ema_metric_holds_the_average_and_says_so(tmp_path, strategy):
+    """--keep_best ema_loss: the average scored the metric, so best/ is the average's. best/best.json names the
+    step, metric and weights ("ema"); `ddptrain export` of best/ gives the average at that step, bitwise the
+    model_ema.safetensors of a run that ended there; `--weights trained` still gives the trained weights."""
+    run, ref = tmp_path / "run", tmp_path / "ref"
+    ema = ["--ema_decay", "0.9", "--ema_eval", "--strategy", strategy]
+    train(run, *[a if a != "loss" else "ema_loss" for a in BEST], *ema, nproc=2)
+    about = json.loads((run / "checkpoints" / "best" / "best.json").read_text())
+    assert about["metric"] == "ema_loss" and about["weights"] == "ema", about
+    step = about["step"]
+    assert about["value"] == {r["step"]: r["ema_loss"] for r in metrics(run, "eval")}[step]
+    train(ref, "--epochs", "2", "--max_steps", str(step), *ema, nproc=2)
+    out = tmp_path / "best.safetensors"
+    exported = run_cli(["export", str(run / "checkpoints" / "best"), str(out)])
+    assert exported.returncode == 0 and "ema weights" in exported.stdout, exported.stderr
+    assert_bitwise_equal(weights(out), weights(ref / "model_ema.safetensors"))
+    trained = run_cli(["export", str(run / "checkpoints" / "best"), str(tmp_path / "t.safetensors"), "--weights",
+                       "trained"])
+    assert trained.returncode == 0, trained.stderr
+    assert_bitwise_equal(weights(tmp_path / "t.safetensors"), weights(ref / "model.safetensors"))

@@ -46,6 +46,7 @@ MANIFEST = "manifest.json"
 ABANDONED = "abandoned"  # checkpoints of lines a run did not continue, moved aside by `start_line`
 STEP_DIR = re.compile(r"^step-(\d+)$")
 BEST = "best"  # --keep_best: the checkpoint with the best eval metric, apart from retention
+BEST_ABOUT = "best.json"  # in best/: which step, metric and weights (trained or ema) it is the best of
 PEER_FAILED = "a peer's write failed (it says why)"  # a rank's save error when the cause was another rank's
 log = logging.getLogger("ddptrain")
 
@@ -165,9 +166,10 @@ def safetensors_bytes(state: dict[str, torch.Tensor], metadata: dict[str, str]) 
     return safetensors.torch.save(tensors, metadata=metadata)
 
 
-def keep_as_best(directory: Path, step_dir: Path) -> Path:
+def keep_as_best(directory: Path, step_dir: Path, about: dict[str, Any]) -> Path:
     """Make DIRECTORY/best a copy of the committed checkpoint `step_dir`, by hard links (a committed checkpoint's
-    files are never written again; a copy where links are refused). Retention deletes step dirs, not best/.
+    files are never written again; a copy where links are refused), with `about` as best/best.json (which
+    metric chose it, its value, whose weights: "trained" or "ema"). Retention deletes step dirs, not best/.
     A reader sees the old best/ or the new one, or, after a crash between the two renames, none and a
     .best.old beside it."""
     tmp, old, best = directory / f".{BEST}.tmp", directory / f".{BEST}.old", directory / BEST
@@ -184,6 +186,7 @@ def keep_as_best(directory: Path, step_dir: Path) -> Path:
             shutil.copy2(source, target)
     if not (tmp / MANIFEST).is_file():
         raise CheckpointError(f"{step_dir} is not a committed checkpoint (no {MANIFEST})")
+    (tmp / BEST_ABOUT).write_text(json.dumps(about, indent=1) + "\n")
     _remove(old)
     if best.exists():
         best.rename(old)
@@ -200,12 +203,17 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def read_manifest(path: Path) -> dict[str, Any] | None:
-    """`path`'s manifest, or None where it has none readable."""
+def read_json(path: Path) -> Any:
+    """The JSON file at `path`, or None where there is none readable."""
     try:
-        return json.loads((path / MANIFEST).read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def read_manifest(path: Path) -> dict[str, Any] | None:
+    """`path`'s manifest, or None where it has none readable."""
+    return read_json(path / MANIFEST)
 
 
 def manifest_step(path: Path) -> int | None:

@@ -64,15 +64,16 @@ class CheckpointManager:
         self.last_saved_step = -1  # the newest step whose checkpoint every rank agreed committed
         # Rank 0: the committed checkpoint that should be best/ but could not be made so yet. Retention keeps
         # it, each later save tries again, and `confirm_best` fails the run if it never was.
-        self._best_owed: Path | None = None
+        self._best_owed: tuple[Path, dict[str, Any]] | None = None  # (step dir, its best.json)
         self._best_error = ""
         self.origin = ""  # the --resume_from checkpoint that started this run's line, recorded in manifests
 
     def save(self, position: Position, make_snapshot: Callable[[], Snapshot], rng_state: dict[str, Any],
-             best: bool = False) -> None:
+             best: dict[str, Any] | None = None) -> None:
         """Gather every rank's RNG state, write and commit on rank 0, agree on the outcome. All ranks.
 
-        `best`: once committed, the checkpoint also becomes DIRECTORY/best (before retention runs).
+        `best`: once committed, the checkpoint also becomes DIRECTORY/best (before retention runs), with this
+        dict as best/best.json.
         `make_snapshot` runs on rank 0 only. With async saves the state is copied to the CPU here, on the
         training thread, and written by a background thread; the next save (or `wait`) reports its fate.
         """
@@ -110,7 +111,7 @@ class CheckpointManager:
         return self._group
 
     def _save_sharded(self, position: Position, make_snapshot: Callable[[], Snapshot], rng: list[Any],
-                      best: bool) -> None:
+                      best: dict[str, Any] | None) -> None:
         """Every rank writes its shards (DCP); rank 0 commits once all reported theirs written. All ranks.
 
         Every rank's snapshot is agreed on before DCP's first collective: a rank that fails before it would
@@ -145,7 +146,7 @@ class CheckpointManager:
         self._agree(error, step)
         self._saved(step)
 
-    def _commit_shards(self, written: Any, snap: Snapshot, target: Path, best: bool) -> str | None:
+    def _commit_shards(self, written: Any, snap: Snapshot, target: Path, best: dict[str, Any] | None) -> str | None:
         """Each rank hashes its own files once written and reports to rank 0, which writes trainer.pt and the
         manifest only if every rank succeeded. All ranks; returns this rank's own failure, or None (rank 0:
         also when a peer failed, which that peer reports)."""
@@ -250,7 +251,7 @@ class CheckpointManager:
         if failed:
             raise TrainingError(f"checkpoint of step {step} failed on {'; '.join(failed)}")
 
-    def _write_and_retain(self, snap: Snapshot, best: bool) -> str | None:
+    def _write_and_retain(self, snap: Snapshot, best: dict[str, Any] | None) -> str | None:
         """Rank 0: write, commit, purge. Returns the failure as one line, or None."""
         started = time.perf_counter()
         try:
@@ -263,28 +264,31 @@ class CheckpointManager:
         self._retain(path, best)
         return None
 
-    def _retain(self, committed: Path, best: bool) -> None:
+    def _retain(self, committed: Path, best: dict[str, Any] | None) -> None:
         """Rank 0, after a commit: best/ (this checkpoint if `best`, else one still owed), then retention."""
-        if best or self._best_owed is not None:
-            self._keep_best(committed if best else self._best_owed)
+        if best is not None or self._best_owed is not None:
+            self._keep_best(*((committed, best) if best is not None else self._best_owed))
         self.purge(keep_step=int(STEP_DIR.match(committed.name).group(1)))
 
-    def keep_best(self, step: int) -> None:
-        """Make the checkpoint of `step`, saved already (perhaps in flight), DIRECTORY/best. All ranks."""
+    def keep_best(self, step: int, about: dict[str, Any]) -> None:
+        """Make the checkpoint of `step`, saved already (perhaps in flight), DIRECTORY/best, described by
+        `about` (best/best.json). All ranks."""
         self.wait()
         if self.ctx.is_main and self.last_saved_step == step:
-            self._keep_best(self.directory / f"step-{step}")
+            self._keep_best(self.directory / f"step-{step}", about)
 
-    def _keep_best(self, step_dir: Path) -> None:
+    def _keep_best(self, step_dir: Path, about: dict[str, Any]) -> None:
         """Rank 0. The checkpoint committed, so a failure here does not fail the save: the checkpoint is owed
         to best/, kept from retention and tried again at the next save."""
         try:
             if self.injector is not None:
                 self.injector.at_best(int(STEP_DIR.match(step_dir.name).group(1)))
-            log.info("best checkpoint: %s", keep_as_best(self.directory, step_dir))
+            shown = "".join(f", {k} {v}" for k, v in about.items() if k != "step")
+            log.info("best checkpoint: %s (step %d%s)", keep_as_best(self.directory, step_dir, about),
+                     about["step"], shown)
             self._best_owed = None
         except Exception as exc:
-            self._best_owed, self._best_error = step_dir, f"{type(exc).__name__}: {exc}"
+            self._best_owed, self._best_error = (step_dir, about), f"{type(exc).__name__}: {exc}"
             log.error("best checkpoint: could not keep %s as %s (%s); the checkpoint is committed and kept, and "
                       "the next save tries again", step_dir, self.directory / BEST, self._best_error)
 
@@ -293,9 +297,9 @@ class CheckpointManager:
         self.wait()
         error = None
         if self.ctx.is_main and self._best_owed is not None:
-            self._keep_best(self._best_owed)  # a last try
+            self._keep_best(*self._best_owed)  # a last try
             if self._best_owed is not None:
-                error = (f"could not keep the best checkpoint {self._best_owed} as {self.directory / BEST} "
+                error = (f"could not keep the best checkpoint {self._best_owed[0]} as {self.directory / BEST} "
                          f"({self._best_error}); it is committed and kept: copy it there by hand")
         error = self.ctx.broadcast_object(error)
         if error is not None:
@@ -310,7 +314,8 @@ class CheckpointManager:
         if self.keep_last <= 0:
             return
         committed = committed_steps(self.directory)
-        doomed = [p for step, p in committed[self.keep_last:] if step != keep_step and p != self._best_owed]
+        doomed = [p for step, p in committed[self.keep_last:] if step != keep_step
+                  and (self._best_owed is None or p != self._best_owed[0])]
         newest = committed[0][0] if committed else keep_step
         for child in self.directory.iterdir():
             match = STEP_DIR.match(child.name)

@@ -42,7 +42,8 @@ class TrainingRun:
         self._trainer = trainer
         self.stop_reason: str | None = None  # this rank's request, until the vote carries it
         self.stop_now = False  # the request is the same on every rank at this step: no vote needed
-        self.best_wanted = False  # keep_as_best was called: the next save (at this step) is also best/
+        # keep_as_best was called: the next save (at this step) is also best/, described by this dict.
+        self.best_wanted: dict[str, Any] | None = None
 
     step = property(lambda self: self._trainer.position.step, doc="optimizer steps done")
     epoch = property(lambda self: self._trainer.position.epoch)
@@ -65,10 +66,12 @@ class TrainingRun:
             self.stop_reason = reason
             self.stop_now = same_on_every_rank
 
-    def keep_as_best(self) -> None:
+    def keep_as_best(self, about: dict[str, Any] | None = None) -> None:
         """Save a checkpoint at this step (unless one is) and keep it as CHECKPOINT_DIR/best, apart from
-        retention. Every rank must call it at the same step (a decision on eval metrics is)."""
-        self.best_wanted = True
+        retention. Every rank must call it at the same step (a decision on eval metrics is). `about` is written
+        beside it as best/best.json (JSON values); `"weights": "ema"` there makes `ddptrain export` of best/
+        give the --ema_decay average, not the trained weights."""
+        self.best_wanted = {"step": self.step, **(about or {})}
 
 
 class Callbacks:
@@ -199,7 +202,9 @@ class BestCheckpoint(Callback):
 
     def on_eval(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
         if self.watch.improved(metrics, run.step):
-            run.keep_as_best()
+            # An ema_ metric scored the average (--ema_eval): best/ is the average's.
+            weights = "ema" if self.watch.metric.startswith("ema_") else "trained"
+            run.keep_as_best({"metric": self.watch.metric, "value": self.watch.best, "weights": weights})
 
     def state_dict(self) -> dict[str, Any]:
         return self.watch.state_dict()
@@ -234,7 +239,8 @@ class EMA(Callback):
 
         if self.shadow is not None:
             return
-        params = [p for p in run.model.parameters()]
+        named = list(run.model.named_parameters())
+        self.names, params = [n for n, _ in named], [p for _, p in named]
         with torch.no_grad():
             self.shadow = [p.detach().clone() for p in params]
         if self._pending is not None:
@@ -283,7 +289,35 @@ class EMA(Callback):
 
         if not self.sharded and dist.is_initialized() and dist.get_rank() != 0:
             return SAME_AS_RANK_0  # a replica: rank 0's average is every rank's
-        return {"decay": self.decay, "shadow": [t.detach().cpu().clone() for t in self._locals(self.shadow)]}
+        return {"decay": self.decay, "names": self.names,
+                "shadow": [t.detach().cpu().clone() for t in self._locals(self.shadow)]}
+
+    @staticmethod
+    def weights_of(trainer_state: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
+        """The average saved in a checkpoint (its trainer state) as a whole state dict: `trained` (the
+        checkpoint's whole weights) with each parameter replaced by its average. Sharded runs saved each rank's
+        shards of dim 0: they are joined in rank order (under hsdp the first replica's ranks make the whole).
+        Raises ValueError for a checkpoint without an average, or from before averages had names."""
+        import torch
+
+        states = [rank.get("callbacks", {}).get(EMA.name) for rank in trainer_state["rng"]]
+        states = [s for s in states if isinstance(s, dict)]
+        if not states:
+            raise ValueError("it holds no EMA (the run had no --ema_decay)")
+        if "names" not in states[0]:
+            raise ValueError("its EMA was saved without parameter names (before ddptrain 0.1.0's best/ of EMA "
+                             "metrics); use RUN_DIR/model_ema.safetensors")
+        out = dict(trained)
+        for i, name in enumerate(states[0]["names"]):
+            full_rows, parts, rows = trained[name].shape[0] if trained[name].dim() else 0, [], 0
+            for state in states:
+                if parts and rows >= full_rows:
+                    break
+                parts.append(state["shadow"][i])
+                rows += parts[-1].shape[0] if parts[-1].dim() else 0
+            value = parts[0] if len(parts) == 1 else torch.cat(parts)
+            out[name] = value.reshape(trained[name].shape).to(trained[name].dtype)
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._pending = state["shadow"]

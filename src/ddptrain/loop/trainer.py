@@ -489,10 +489,10 @@ class Trainer(CheckpointedState):
         """Checkpoint the current position (skipped if this step is already saved), kept as best/ if a callback
         asked. All ranks."""
         self.train_log.finish()  # a checkpoint's window starts after the last line: that line must be written
-        best, self.run_view.best_wanted = self.run_view.best_wanted, False
+        best, self.run_view.best_wanted = self.run_view.best_wanted, None
         if self.position.step == self.checkpoints.pending_step:
             if best:
-                self.checkpoints.keep_best(self.position.step)
+                self.checkpoints.keep_best(self.position.step, best)
             return
         self.watchdog.phase("checkpoint")
         if self._sample_log is not None:

@@ -19,7 +19,15 @@ from pathlib import Path
 
 import torch
 
-from ddptrain.checkpoints.format import MANIFEST, CheckpointError, committed_steps, safetensors_bytes, write_atomic
+from ddptrain.checkpoints.format import (
+    BEST_ABOUT,
+    MANIFEST,
+    CheckpointError,
+    committed_steps,
+    read_json,
+    safetensors_bytes,
+    write_atomic,
+)
 from ddptrain.checkpoints.read import read_checkpoint
 from ddptrain.cliargs import ArgParser
 from ddptrain.errors import UsageError
@@ -36,6 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="the .safetensors file to write; the config goes next to it as .json")
     parser.add_argument("--hf", default="", metavar="OUT_DIR",
                         help="also (or instead) write the save_pretrained layout of a transformers model here")
+    parser.add_argument("--weights", choices=("auto", "trained", "ema"), default="auto",
+                        help="the trained weights or their --ema_decay average; auto: what a best/ dir is the "
+                             "best of (its best.json), else the trained weights")
     args = parser.parse_args(argv)
     if not args.out and not args.hf:
         raise UsageError("ddptrain export: name what to write: OUT.safetensors, --hf OUT_DIR, or both")
@@ -78,6 +89,17 @@ def main(argv: list[str]) -> int:
             raise UsageError(f"{checkpoint}: unusable checkpoint: {exc}") from None
     else:
         weights = loaded.model
+    which = args.weights
+    if which == "auto":
+        about = read_json(checkpoint / BEST_ABOUT) or {}
+        which = about.get("weights", "trained")
+    if which == "ema":
+        from ddptrain.loop.callbacks import EMA
+
+        try:
+            weights = EMA.weights_of(loaded.trainer, weights)
+        except ValueError as exc:
+            raise UsageError(f"--weights ema: {checkpoint}: {exc}") from None
     if args.hf:
         export_hf(manifest["config"], weights, checkpoint, Path(args.hf))
     if not args.out:
@@ -89,8 +111,8 @@ def main(argv: list[str]) -> int:
     write_atomic(out, safetensors_bytes(weights, metadata=metadata))
     write_atomic(config_path, (json.dumps(manifest["config"], indent=1, sort_keys=True) + "\n").encode())
     size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
-    print(f"exported {len(weights)} tensors ({size_mb:.1f} MiB) of step {manifest['step']} from {checkpoint} "
-          f"to {out}; config: {config_path}")
+    print(f"exported {len(weights)} tensors ({size_mb:.1f} MiB, {which} weights) of step {manifest['step']} from "
+          f"{checkpoint} to {out}; config: {config_path}")
     return 0
 
 
