@@ -347,3 +347,16 @@ def test_a_best_chosen_by_an_ema_metric_holds_the_average_and_says_so(tmp_path, 
                        "trained"])
     assert trained.returncode == 0, trained.stderr
     assert_bitwise_equal(weights(tmp_path / "t.safetensors"), weights(ref / "model.safetensors"))
+
+
+def test_a_best_owed_when_a_worker_died_is_made_best_by_the_restarted_run(tmp_path):
+    """best/ of step 2 fails at every try in the first attempt, then rank 1 is SIGKILLed in step 5. The restart
+    (from step 4, whose --keep_last 1 retention kept step 2) learns from its best value that step 2 is owed to
+    best/, keeps it from its own retention and makes it best/ at its first save: exit 0, best/ is step 2."""
+    # Two faults in the first attempt: best/ fails on rank 0 (the injector), rank 1 dies (a callback).
+    proc = train(tmp_path, *BEST, "--max_restarts", "1", "--callbacks", "callback_plugins:KillAfterCheckpoint",
+                 nproc=2, env={"DDPTRAIN_FAULT": "rank=0,step=2,kind=ioerror,at=best,times=99",
+                               "KILL_RANK": "1", "KILL_STEP": "4"})
+    assert_restarted(proc, tmp_path, from_step=4)
+    assert json.loads((tmp_path / "checkpoints" / "best" / "manifest.json").read_text())["step"] == 2
+    assert [p.name for p in (tmp_path / "checkpoints").glob("step-*")] == ["step-8"]

@@ -292,6 +292,15 @@ class CheckpointManager:
             log.error("best checkpoint: could not keep %s as %s (%s); the checkpoint is committed and kept, and "
                       "the next save tries again", step_dir, self.directory / BEST, self._best_error)
 
+    def owe_best(self, about: dict[str, Any]) -> None:
+        """On resume: a best step (`about["step"]`) whose checkpoint is committed but is not best/ (an earlier
+        attempt failed to make it so, then died) is owed to best/ again. Rank 0."""
+        step_dir = self.directory / f"step-{about['step']}"
+        if manifest_step(self.directory / BEST) != about["step"] and (step_dir / MANIFEST).is_file():
+            log.warning("best checkpoint: %s is the best (%s) but not %s; the next save makes it so",
+                        step_dir, about["metric"], self.directory / BEST)
+            self._best_owed, self._best_error = (step_dir, about), "an earlier attempt did not make it best/"
+
     def confirm_best(self) -> None:
         """At the end of the run: the best checkpoint is best/, or every rank raises naming it. All ranks."""
         self.wait()

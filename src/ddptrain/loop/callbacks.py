@@ -202,9 +202,13 @@ class BestCheckpoint(Callback):
 
     def on_eval(self, run: TrainingRun, metrics: dict[str, Any]) -> None:
         if self.watch.improved(metrics, run.step):
-            # An ema_ metric scored the average (--ema_eval): best/ is the average's.
-            weights = "ema" if self.watch.metric.startswith("ema_") else "trained"
-            run.keep_as_best({"metric": self.watch.metric, "value": self.watch.best, "weights": weights})
+            run.keep_as_best(self.about())
+
+    def about(self) -> dict[str, Any]:
+        """What best/best.json says of the best so far (the step comes with `keep_as_best`)."""
+        # An ema_ metric scored the average (--ema_eval): best/ is the average's.
+        weights = "ema" if self.watch.metric.startswith("ema_") else "trained"
+        return {"metric": self.watch.metric, "value": self.watch.best, "weights": weights}
 
     def state_dict(self) -> dict[str, Any]:
         return self.watch.state_dict()

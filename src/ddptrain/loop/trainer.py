@@ -191,8 +191,9 @@ class Trainer(CheckpointedState):
         if cfg.early_stop_metric:
             callbacks.append(EarlyStopping(cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_mode,
                                            cfg.early_stop_min_delta))
-        if cfg.keep_best:
-            callbacks.append(BestCheckpoint(cfg.keep_best, cfg.keep_best_mode))
+        self.best = BestCheckpoint(cfg.keep_best, cfg.keep_best_mode) if cfg.keep_best else None
+        if self.best is not None:
+            callbacks.append(self.best)
         self.callbacks = Callbacks(callbacks)
         self.run_view = TrainingRun(self)
         if self.callbacks and self.ctx.is_main:
@@ -537,6 +538,8 @@ class Trainer(CheckpointedState):
                             loaded.path, "; ".join(changes))
             self.restore(loaded)
         self.checkpoints.start_line(loaded)
+        if self.ctx.is_main and self.best is not None and self.best.watch.best_step >= 0:
+            self.checkpoints.owe_best({"step": self.best.watch.best_step, **self.best.about()})
 
     # --- metrics ---------------------------------------------------------------------------------
     def _log_train(self, bar: ProgressBar) -> None:
