@@ -79,6 +79,16 @@ class TrainConfig:
     num_workers: int = opt(4, "data loader worker processes per rank (0 = load in the training process)",
                            min=0, group="model and data")
 
+    # --- fine-tuning ----------------------------------------------------------------------------
+    lora_rank: int = opt(0, "train LoRA adapters of this rank beside the frozen model (peft; 0 = train every "
+                         "weight); checkpoints hold the adapters only, RUN_DIR/adapter/ is PEFT's layout", min=0,
+                         group="fine-tuning")
+    lora_alpha: float = opt(16.0, "LoRA: the update is scaled by lora_alpha / lora_rank", min=0.0,
+                            group="fine-tuning")
+    lora_dropout: float = opt(0.0, "LoRA: dropout on the adapters' input", min=0.0, group="fine-tuning")
+    lora_targets: str = opt("", "LoRA: comma-separated names of the linear layers to adapt (e.g. q_proj,v_proj; "
+                            "empty = every linear layer inside the model's blocks)", group="fine-tuning")
+
     # --- batch and schedule ---------------------------------------------------------------------
     batch_size: int = opt(64, "micro-batch size per process; global batch = batch_size * world size * "
                           "grad_accum_steps", min=1)
@@ -313,6 +323,14 @@ class TrainConfig:
         _check_inject_fault(self.inject_fault)
         if self.max_time:
             parse_duration(self.max_time, "--max_time")
+        if self.lora_rank and self.strategy != "ddp":
+            raise UsageError(f"--lora_rank with --strategy {self.strategy}: LoRA adapters train under ddp for now "
+                             "(a frozen base sharded by FSDP is not supported yet); use --strategy ddp")
+        if self.lora_dropout >= 1.0:
+            raise UsageError(f"--lora_dropout {self.lora_dropout}: must be below 1 (0 = no dropout)")
+        if (self.lora_targets or self.lora_dropout) and not self.lora_rank:
+            raise UsageError("--lora_targets/--lora_dropout configure LoRA adapters, which are off; set --lora_rank "
+                             "(e.g. 8)")
         if self.ema_decay >= 1.0:
             raise UsageError(f"--ema_decay {self.ema_decay}: must be below 1 (0.999 averages over ~1000 steps; 0 is off)")
         if self.ema_eval and not self.ema_decay:

@@ -43,7 +43,7 @@ from ddptrain.loop.state import MetricWindow, seed_rank_rngs
 from ddptrain.loop.tasks import build_task
 from ddptrain.loop.train_log import Clock, TrainLog
 from ddptrain.loop.trainer_state import CheckpointedState
-from ddptrain.models import hf, instantiate
+from ddptrain.models import hf, instantiate, lora
 from ddptrain.observe import perf
 from ddptrain.observe.log import rank_log_path
 from ddptrain.observe.metrics import MetricSinks, ProgressBar
@@ -99,6 +99,11 @@ class Trainer(CheckpointedState):
         """The model, identical on every rank (DDP would broadcast rank 0's anyway), then its strategy's wrapper."""
         cfg, ctx, device = self.cfg, self.ctx, self.ctx.device
         self.module = module = instantiate(cfg, parts.model, device)
+        if cfg.lora_rank:
+            self.module = module = lora.apply(module, cfg)  # under the model's seed: the adapters' init too
+        # What checkpoints leave out (frozen under LoRA: the model's source has it), and its fingerprint.
+        self.frozen = lora.frozen_names(module) if lora.is_lora(module) else []
+        self._frozen_fingerprint: list[list[float]] | None = None
         if hf.is_transformers(module) and ctx.is_main:
             module.config.save_pretrained(self.run_dir / hf.HF_DIR)  # what `ddptrain export --hf` rebuilds it from
         fp16 = cfg.use_amp and cfg.amp_dtype == "fp16"
@@ -527,7 +532,7 @@ class Trainer(CheckpointedState):
             (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
         loaded = None
         if self.cfg.resume_from or self.cfg.auto_resume:
-            loaded = self.checkpoints.resume(self.cfg.resume_from, self.module.state_dict(),
+            loaded = self.checkpoints.resume(self.cfg.resume_from, self.checkpointed(self.module.state_dict()),
                                              continue_line=self.cfg.auto_resume)
         if loaded is not None:
             changes = setting_changes(loaded.manifest["config"], self.cfg)
@@ -563,9 +568,11 @@ class Trainer(CheckpointedState):
         RUN_DIR/model_ema.safetensors. All ranks."""
         state = self.parallel.state_dict()  # sharded: gathered onto rank 0 (a collective)
         if self.ctx.is_main:
-            write_atomic(self.run_dir / "model.safetensors",
-                         safetensors_bytes(state, metadata={"step": str(self.position.step)}))
-            if hf.is_transformers(self.module):
+            write_atomic(self.run_dir / "model.safetensors",  # under LoRA: the adapters (the rest is the source's)
+                         safetensors_bytes(self.checkpointed(state), metadata={"step": str(self.position.step)}))
+            if self.frozen:
+                lora.save_adapter(self.module, state, self.run_dir / lora.ADAPTER_DIR)
+            elif hf.is_transformers(self.module):
                 hf.save_pretrained(self.cfg, state, self.run_dir / hf.HF_DIR, self.module)
         if self.ema is not None:
             with self.ema.swapped_in(self.module):  # a replica's state dict holds the parameters themselves:

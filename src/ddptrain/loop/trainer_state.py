@@ -10,6 +10,7 @@ from ddptrain.checkpoints.format import Loaded, Position, Snapshot
 from ddptrain.data.pipeline import mix_seed
 from ddptrain.errors import UsageError
 from ddptrain.loop.state import MetricWindow, rng_state, seed_rank_rngs, set_rng_state
+from ddptrain.models import lora
 
 log = logging.getLogger("ddptrain")
 
@@ -46,13 +47,41 @@ class CheckpointedState:
         trainer = {"scheduler": self.scheduler.state_dict(), "scaler": scaler, "log": self.train_log.state_dict(),
                    "stopped": self.stopped, "last_eval": self._last_eval,
                    "stop_voted": bool(settled and settled[VOTE_FLAGS.index("stop")])}
+        if self.frozen:
+            trainer["frozen"] = {"names": self.frozen, "fingerprint": self.frozen_fingerprint()}
         position, config = Position(**vars(self.position)), self.cfg.to_dict()
         if self.parallel.sharded:
             from ddptrain.checkpoints import shards  # DCP: imported by sharded runs only (~1 s of CPU)
 
             state, trainer["param_groups"] = shards.state_to_save(self.module, self.optimizer)
             return Snapshot(position, None, None, trainer, config, shards=state)
-        return Snapshot(position, self.parallel.state_dict(), self.optimizer.state_dict(), trainer, config)
+        return Snapshot(position, self.checkpointed(self.parallel.state_dict()), self.optimizer.state_dict(), trainer,
+                        config)
+
+    def checkpointed(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What a checkpoint holds of the model's `state`: all of it, less the frozen weights under LoRA."""
+        if not self.frozen:
+            return state
+        frozen = set(self.frozen)
+        return {name: value for name, value in state.items() if name not in frozen}
+
+    def frozen_fingerprint(self) -> list[list[float]]:
+        """The frozen weights' fingerprint (lora.fingerprint), taken once: they never change."""
+        if self._frozen_fingerprint is None:
+            self._frozen_fingerprint = lora.fingerprint(self.module, self.frozen)
+        return self._frozen_fingerprint
+
+    def _check_frozen(self, loaded: Loaded) -> None:
+        """A checkpoint of adapters continues only on the weights it was trained on (rebuilt from the model's
+        source): a changed base is refused like a changed setting."""
+        saved = loaded.trainer.get("frozen")
+        if saved is None:
+            raise UsageError(f"{loaded.path} holds the whole model, this run trains LoRA adapters (--lora_rank "
+                             f"{self.cfg.lora_rank}); start fresh (--no-auto_resume or another --run_dir)")
+        if saved["names"] != self.frozen or not lora.same_weights(saved["fingerprint"], self.frozen_fingerprint()):
+            raise UsageError(f"{loaded.path} was trained on other frozen weights than --model {self.cfg.model} "
+                             "gives now (its fingerprint differs); resume with the model it was trained on, or "
+                             "start fresh (--no-auto_resume or another --run_dir)")
 
     def restore(self, loaded: Loaded) -> None:
         """Put `loaded`'s state into the trainer: model, optimizer state under the config's settings, schedule,
@@ -67,8 +96,10 @@ class CheckpointedState:
         # supplies the optimizer's state. A changed value is said once.
         configured = [{k: v for k, v in group.items() if k not in ("params", "lr")}
                       for group in self.optimizer.param_groups]
+        if self.frozen:
+            self._check_frozen(loaded)
         if loaded.shards is None and not self.parallel.sharded:  # full -> ddp: whole tensors, no DCP
-            self.module.load_state_dict(loaded.model)
+            self.module.load_state_dict(loaded.model, strict=not self.frozen)  # the frozen part: as built
             self.optimizer.load_state_dict(loaded.optimizer)
         else:
             from ddptrain.checkpoints import shards

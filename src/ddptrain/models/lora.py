@@ -1,0 +1,155 @@
+"""LoRA adapters through peft (`--lora_rank R`): the model's weights frozen, a low-rank update trained beside
+chosen linear layers.
+
+`apply` injects the adapters into the module in place (peft's `inject_adapter_in_model`: no wrapper class, so
+the loop, the strategies and the task see the same module), after which only the adapters require grad. What
+leaves a run is PEFT's own layout (`save_adapter`: adapter_config.json + adapter_model.safetensors, which
+`PeftModel.from_pretrained(base, DIR)` loads) and, on request, the base weights with the update merged in
+(`merged`), under the base model's own names.
+
+May import: the contracts at the top (config, errors). Nothing else in ddptrain.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddptrain.config import TrainConfig
+from ddptrain.errors import UsageError
+
+ADAPTER_NAME = "default"  # peft's name for a model's one adapter
+ADAPTER_DIR = "adapter"  # RUN_DIR/adapter: the trained adapter in PEFT's layout
+# What peft's saved keys carry before a module's own names (its PeftModel wraps the model as base_model.model).
+SAVED_PREFIX = "base_model.model."
+
+
+def _peft(flag: str = "--lora_rank") -> Any:
+    try:
+        import peft
+    except ImportError:
+        raise UsageError(f"{flag}: LoRA needs peft; pip install 'ddptrain[peft]'") from None
+    return peft
+
+
+def default_targets(module: nn.Module) -> list[str]:
+    """The linear layers inside the model's repeated blocks (attention and MLP projections), by the names
+    peft matches (the last component); every linear layer but the output layer where the model has no
+    blocks."""
+    block_classes = set(getattr(module, "_no_split_modules", None) or ())
+    blocks = [sub for sub in module.modules()
+              if type(sub).__name__ in block_classes or isinstance(sub, tuple(getattr(module, "fsdp_blocks", ())))]
+    inside = [name for block in blocks for name, sub in block.named_modules() if isinstance(sub, nn.Linear) and name]
+    if not inside:
+        linears = [name for name, sub in module.named_modules() if isinstance(sub, nn.Linear)]
+        inside = linears[:-1]  # the last one registered writes the outputs: it keeps its full weights
+    return sorted({name.rsplit(".", 1)[-1] for name in inside})
+
+
+def lora_config(cfg: TrainConfig, module: nn.Module) -> Any:
+    """peft's LoraConfig for the run's flags (targets: --lora_targets, else `default_targets`)."""
+    peft = _peft()
+    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()] or default_targets(module)
+    if not targets:
+        raise UsageError(f"--lora_rank {cfg.lora_rank}: the model has no linear layer to adapt; name the layers "
+                         "with --lora_targets")
+    base = cfg.model[len("hf:"):] if cfg.model.startswith("hf:") else cfg.model
+    return peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                           target_modules=targets, base_model_name_or_path=base, bias="none")
+
+
+def apply(module: nn.Module, cfg: TrainConfig) -> nn.Module:
+    """Freeze every weight of `module` and inject LoRA adapters into the layers `lora_config` names (in place;
+    returns `module`). The adapters' init draws from torch's global RNG: call it right after building the model,
+    under the same seed on every rank, as the model's own init."""
+    peft = _peft()
+    config = lora_config(cfg, module)
+    present = {name.rsplit(".", 1)[-1] for name, _ in module.named_modules()}
+    missing = sorted(set(config.target_modules) - present)
+    if missing:
+        raise UsageError(f"--lora_targets: the model has no layer named {', '.join(missing)}; its linear layers "
+                         f"are named {', '.join(default_targets(module)) or 'nothing'}")
+    module = peft.inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
+    module.lora_config = config  # what save_adapter writes; an attribute of the module travels with it
+    for name, param in module.named_parameters():
+        param.requires_grad_(".lora_" in name)
+    return module
+
+
+def is_lora(module: nn.Module) -> bool:
+    return hasattr(module, "lora_config")
+
+
+def frozen_names(module: nn.Module) -> list[str]:
+    """The state-dict names of the frozen parameters (a tied one under each of its names): what a checkpoint
+    of adapters leaves out. Buffers are not among them: they may change in training."""
+    return [name for name, value in module.state_dict(keep_vars=True).items()
+            if isinstance(value, nn.Parameter) and not value.requires_grad]
+
+
+def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters of a whole state dict of a LoRA module, under PEFT's saved names."""
+    marker = f".{ADAPTER_NAME}."
+    return {SAVED_PREFIX + name.replace(marker, "."): value for name, value in state.items()
+            if ".lora_A." in name or ".lora_B." in name}
+
+
+def save_adapter(module: nn.Module, state: dict[str, torch.Tensor], out_dir: Path) -> Path:
+    """`state` (the LoRA module's whole state dict, or its adapters) in PEFT's layout in `out_dir`."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    module.lora_config.save_pretrained(str(out_dir))
+    tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_state(state).items()}
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def merged(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The base model's state dict with each adapter's update merged into its layer: W + (alpha / r) B A, under
+    the names the model had before `apply` (a plain `save_pretrained`/`load_state_dict` of the base model).
+    `config`: the adapter_config.json's fields."""
+    scale = config["lora_alpha"] / config["r"]
+    out: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        if ".base_layer." in name:
+            layer, leaf = name.split(".base_layer.")
+            if leaf == "weight":
+                a = state[f"{layer}.lora_A.{ADAPTER_NAME}.weight"]
+                b = state[f"{layer}.lora_B.{ADAPTER_NAME}.weight"]
+                value = value + scale * (b.to(torch.float32) @ a.to(torch.float32)).to(value.dtype)
+            name = f"{layer}.{leaf}"
+        out[name] = value
+    return out
+
+
+def read_adapter_config(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / "adapter_config.json").read_text())
+
+
+@torch.no_grad()
+def fingerprint(module: nn.Module, names: list[str]) -> list[list[float]]:
+    """Per frozen tensor of `names` (in that order): [sum, sum of squares] in float64 over this rank's part of it
+    (a sharded tensor's local shard; the caller adds the ranks' parts). What a checkpoint of adapters records of
+    the weights it was trained on, and a resume checks the rebuilt model against."""
+    state = module.state_dict()
+    out = []
+    for name in names:
+        value = state[name]
+        value = value.to_local() if hasattr(value, "to_local") else value
+        value = value.detach().to(torch.float64)
+        out.append([value.sum().item(), value.square().sum().item()])
+    return out
+
+
+def same_weights(saved: list[list[float]], now: list[list[float]]) -> bool:
+    """Whether two fingerprints are of the same weights (the sums may round differently over other shards)."""
+    return len(saved) == len(now) and all(
+        abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b)) for pair_a, pair_b in zip(saved, now)
+        for a, b in zip(pair_a, pair_b))

@@ -1,0 +1,120 @@
+"""LoRA adapters through peft (--lora_rank): a Llama with weights on disk (built here from a config), padded LM
+batches; 2 processes must train the adapters 1 process trains, a killed run must end bitwise, checkpoints hold
+the adapters only, and RUN_DIR/adapter/ must load with peft's own PeftModel.from_pretrained."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_bitwise_equal, assert_close_weights, assert_restarted, last_committed, one_line_error, \
+    run_cli, train, weights
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+VOCAB = 64
+LM = ["--task", "language_model", "--dataset", "lm_plugins:masked_lm", "--vocab_size", str(VOCAB), "--seq_len", "24",
+      "--dataset_size", "128", "--eval_size", "24", "--epochs", "1", "--lr", "0.3", "--weight_decay", "0",
+      "--momentum", "0", "--save_every", "0"]
+LORA = ["--lora_rank", "4", "--lora_alpha", "8"]
+
+
+def llama(directory: Path, seed: int = 0, width: int = 32) -> Path:
+    """A 2-layer Llama saved with its weights (save_pretrained), as a fine-tuner's base model is."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
+                                      max_position_embeddings=32)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def whole(base, tmp_path_factory) -> Path:
+    """1 process, the whole global batch of 32 sequences each step."""
+    run_dir = tmp_path_factory.mktemp("whole")
+    train(run_dir, "--model", f"hf:{base}", *LM, *LORA, "--batch_size", "32", timeout=300)
+    return run_dir
+
+
+def trained_model(base: Path, run_dir: Path) -> torch.nn.Module:
+    """The base with the run's adapters, as the run ended (its model.safetensors holds the adapters)."""
+    from types import SimpleNamespace
+
+    from ddptrain.models import lora
+
+    model = transformers.LlamaForCausalLM.from_pretrained(base)
+    lora.apply(model, SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets="",
+                                      model=f"hf:{base}"))
+    missing, unexpected = model.load_state_dict(weights(run_dir / "model.safetensors"), strict=False)
+    assert not unexpected and all(".lora_" not in name for name in missing)
+    return model.eval()
+
+
+def test_lora_on_two_processes_trains_the_adapters_one_process_trains_and_loads_in_peft(base, whole, tmp_path):
+    train(tmp_path, "--model", f"hf:{base}", *LM, *LORA, "--batch_size", "8", "--grad_accum_steps", "2", nproc=2,
+          timeout=300)
+    final = weights(whole / "model.safetensors")
+    assert final and all(".lora_A." in k or ".lora_B." in k for k in final), sorted(final)[:4]
+    assert_close_weights(final, weights(tmp_path / "model.safetensors"), rel=1e-5)
+    assert any(v.abs().max() > 0 for k, v in final.items() if ".lora_B." in k), "B starts at zero: it trained"
+    # peft's own loader gives the trained model's logits.
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = trained_model(base, tmp_path)(ids).logits
+        loaded = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(base),
+                                                tmp_path / "adapter").eval()
+        assert torch.equal(loaded(ids).logits, ours)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj",
+                                                                      "q_proj", "up_proj", "v_proj"]
+
+
+def test_a_checkpoint_holds_the_adapters_only_and_a_killed_lora_run_ends_bitwise(tmp_path):
+    """Rank 8 on a Llama of width 256 (1.3M parameters): a checkpoint, trainer state and all, is at most 10 % of
+    the model's weights on disk. With dropout in the adapters, killed and restarted, the run ends bitwise."""
+    base = llama(tmp_path / "wide", width=256)
+    job = ["--model", f"hf:{base}", *LM, "--lora_rank", "8", "--lora_dropout", "0.1", "--batch_size", "8",
+           "--save_every_steps", "2", "--keep_last", "0"]
+    train(tmp_path / "straight", *job, nproc=2, timeout=300)
+    proc = train(tmp_path / "killed", *job, "--max_restarts", "1", nproc=2, timeout=400,
+                 env={"DDPTRAIN_FAULT": "rank=1,step=5,kind=sigkill"})
+    assert_restarted(proc, tmp_path / "killed", from_step=4)
+    assert_bitwise_equal(weights(tmp_path / "straight" / "model.safetensors"),
+                         weights(tmp_path / "killed" / "model.safetensors"))
+    checkpoint = last_committed(tmp_path / "killed")
+    held = sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+    model_bytes = sum(p.stat().st_size for p in base.glob("*.safetensors"))
+    assert held <= 0.1 * model_bytes, (held, model_bytes)
+
+
+def test_a_lora_checkpoint_refuses_another_base_model(base, tmp_path):
+    """Resumed on a base whose weights differ (same architecture, another seed): one line, exit 2."""
+    job = [*LM, *LORA, "--batch_size", "8", "--max_steps", "2", "--save_every_steps", "2"]
+    train(tmp_path / "run", "--model", f"hf:{base}", *job)
+    other = llama(tmp_path / "other", seed=1)
+    proc = run_cli(["train", "--run_dir", str(tmp_path / "run"), "--model", f"hf:{other}", *job, "--max_steps", "4",
+                    "--accept_config_change", "--num_workers", "0", "--no-progress"])
+    # transformers' own loading bar may come first: the error is the last line.
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "other frozen weights" in line and "--model" in line
+
+
+def test_lora_flags_without_a_rank_and_unknown_targets_are_one_line_errors(base, tmp_path):
+    line = one_line_error(run_cli(["train", "--run_dir", str(tmp_path), "--model", f"hf:{base}", *LM,
+                                   "--lora_targets", "q_proj"]))
+    assert "--lora_rank" in line
+    proc = run_cli(["train", "--run_dir", str(tmp_path), "--model", f"hf:{base}", *LM, *LORA, "--lora_targets",
+                    "q_proj,qkv", "--num_workers", "0", "--no-progress"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]  # after transformers' own loading bar
+    assert "--lora_targets" in line and "qkv" in line and "q_proj" in line
