@@ -118,3 +118,21 @@ def test_lora_flags_without_a_rank_and_unknown_targets_are_one_line_errors(base,
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]  # after transformers' own loading bar
     assert "--lora_targets" in line and "qkv" in line and "q_proj" in line
+
+
+def test_export_merge_writes_the_base_with_the_adapters_merged_for_from_pretrained(base, whole, tmp_path):
+    """`ddptrain export --hf OUT --merge`: a save_pretrained directory whose plain Llama gives the trained model's
+    logits (up to the merge's rounding); without --merge, --hf is one line naming it."""
+    checkpoint = last_committed(whole)
+    line = one_line_error(run_cli(["export", str(checkpoint), "--hf", str(tmp_path / "nomerge")]))
+    assert "--merge" in line
+    done = run_cli(["export", str(checkpoint), "--hf", str(tmp_path / "merged"), "--merge"])
+    assert done.returncode == 0, done.stderr
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        assert not any(".lora_" in name for name in merged.state_dict())
+        expected = trained_model(base, whole)(ids).logits
+        assert torch.allclose(merged(ids).logits, expected, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(transformers.LlamaForCausalLM.from_pretrained(base).eval()(ids).logits, expected,
+                                  rtol=1e-4, atol=1e-5), "the adapters changed the model"

@@ -44,6 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="the .safetensors file to write; the config goes next to it as .json")
     parser.add_argument("--hf", default="", metavar="OUT_DIR",
                         help="also (or instead) write the save_pretrained layout of a transformers model here")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA run's checkpoint (adapters only): merge them into the base model (--model of "
+                             "the run, read again) and write whole weights")
     parser.add_argument("--weights", choices=("auto", "trained", "ema"), default="auto",
                         help="the trained weights or their --ema_decay average; auto: what a best/ dir is the "
                              "best of (its best.json), else the trained weights")
@@ -100,6 +103,15 @@ def main(argv: list[str]) -> int:
             weights = EMA.weights_of(loaded.trainer, weights)
         except ValueError as exc:
             raise UsageError(f"--weights ema: {checkpoint}: {exc}") from None
+    lora_rank = manifest["config"].get("lora_rank", 0)
+    if args.merge:
+        if not lora_rank:
+            raise UsageError(f"--merge: {checkpoint} is not of a LoRA run (--lora_rank 0): it holds whole weights "
+                             "already; export it without --merge")
+        weights = merge_adapters(manifest["config"], weights, loaded.trainer.get("frozen"), checkpoint)
+    elif lora_rank and args.hf:
+        raise UsageError(f"--hf: {checkpoint} holds LoRA adapters only; add --merge to merge them into the base "
+                         "model, or load RUN_DIR/adapter/ with peft")
     if args.hf:
         export_hf(manifest["config"], weights, checkpoint, Path(args.hf))
     if not args.out:
@@ -114,6 +126,24 @@ def main(argv: list[str]) -> int:
     print(f"exported {len(weights)} tensors ({size_mb:.1f} MiB, {which} weights) of step {manifest['step']} from "
           f"{checkpoint} to {out}; config: {config_path}")
     return 0
+
+
+def merge_adapters(config: dict, adapters: dict[str, torch.Tensor], frozen: dict | None,
+                   checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The base model of a LoRA run (its --model, read again) with the checkpoint's adapters merged in, under the
+    base model's own names. The base must be the one the adapters were trained on (the checkpoint's
+    fingerprint of the frozen weights)."""
+    from ddptrain.config import TrainConfig
+    from ddptrain.models import build_model, lora
+
+    cfg = TrainConfig(**{k: v for k, v in config.items() if k in TrainConfig.__dataclass_fields__})
+    torch.manual_seed(cfg.seed)  # a base built from a config alone is the run's seeded init
+    module = lora.apply(build_model(cfg), cfg)
+    module.load_state_dict(adapters, strict=False)
+    if frozen is None or not lora.same_weights(frozen["fingerprint"], lora.fingerprint(module, frozen["names"])):
+        raise UsageError(f"--merge: --model {cfg.model} now gives other weights than {checkpoint}'s adapters were "
+                         "trained on (their fingerprint differs); merge on the base model of the run")
+    return lora.merged(module.state_dict(), {"r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha})
 
 
 def export_hf(config: dict, weights: dict[str, torch.Tensor], checkpoint: Path, out_dir: Path) -> None:
