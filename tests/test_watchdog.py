@@ -6,15 +6,19 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import TINY, metrics, train
+from helpers import TINY, metrics, start_cli, train
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from ddptrain.parallel.launch import _every_failure, _failure_text, _root_cause
+from ddptrain.parallel.watchdog import DONE, Watchdog, _process_state, _Watched
 
 HOST = socket.gethostname()
 
@@ -109,15 +113,15 @@ def test_nccl_diagnostics_are_on_by_default_and_user_settings_win(tmp_path, monk
     ([(1, 3, "backward+all-reduce", 4.0)], (3, "data", 4.1), None),
 ])
 def test_furthest_behind_is_the_earliest_step_then_phase(peers, mine, behind):
-    from ddptrain.parallel.watchdog import Watchdog
-
     class Ctx:
         rank, host, world_size = 0, "h0", 3
 
-    dog = Watchdog.__new__(Watchdog)  # describe() only: no threads, no store
-    dog.ctx, (dog.step, dog._phase, idle) = Ctx(), mine
-    dog._peers = lambda: [{"rank": r, "step": s, "phase": p, "idle_s": i, "host": f"h{r}"} for r, s, p, i in peers]
+    dog = Watchdog(Ctx(), Path("unused.log"), 3.0, 60.0, 60.0, store=object())  # describe() only: no threads
+    dog.step, dog._phase, idle = mine
+    dog._peers = lambda: [{"rank": r, "step": s, "phase": p, "idle_s": i, "host": f"h{r}", "age_s": 0.1}
+                          for r, s, p, i in peers]
     line = dog.describe(idle)
+    assert "stopped responding" not in line, line  # every peer beat 0.1 s ago: all alive
     if behind is None:
         assert "furthest behind" not in line, line
     else:
@@ -159,8 +163,6 @@ def test_launcher_names_a_cause_the_agent_stopped_before_it_exited(tmp_path):
 
 def test_heartbeat_survives_a_failing_store_and_says_so_once(tmp_path):
     """The store refuses 4 beats, takes 2, refuses 3 more: one warning naming the error, beats go on."""
-    from ddptrain.parallel.watchdog import Watchdog
-
     class Ctx:
         rank, host, world_size = 1, "h1", 2
 
@@ -185,9 +187,8 @@ def test_heartbeat_survives_a_failing_store_and_says_so_once(tmp_path):
             self.records.append(record)
 
     store, records = FlakyStore([True] * 4 + [False] * 2 + [True] * 3), Records()
-    dog = Watchdog.__new__(Watchdog)  # the heartbeat alone, on the fields it reads: no store lookup, no checker
-    dog.ctx, dog._store, dog.hang_timeout_s = Ctx(), store, 1.0  # 0.2 s between beats
-    dog.step, dog._phase, dog._since, dog._stop = 3, "data", 0.0, threading.Event()
+    dog = Watchdog(Ctx(), tmp_path / "rank-1.log", 1.0, 60.0, 60.0, store=store)  # 0.2 s between beats
+    dog.step, dog._phase = 3, "data"
     heartbeat = threading.Thread(target=dog._heartbeat, name="ddptrain-heartbeat", daemon=True)
     logger = logging.getLogger("ddptrain")
     logger.addHandler(records)
@@ -205,3 +206,138 @@ def test_heartbeat_survives_a_failing_store_and_says_so_once(tmp_path):
     assert len(warnings) == 1, warnings
     assert "rank 1 cannot publish its heartbeat" in warnings[0], warnings
     assert "ConnectionError: store host 10.0.0.9 went away" in warnings[0], warnings
+
+
+# --- a rank that stopped (SIGSTOP: nothing in it runs, its heartbeat neither) -------------------------------
+HANG_S = 3  # --hang_timeout_s of these runs; the job must fail within it + 10 s of the freeze
+
+
+def _pid_of_rank(run_dir: Path, rank: int, proc) -> int:
+    """The worker of `rank`: the process holding logs/rank-R.log open."""
+    target, deadline = str(run_dir / "logs" / f"rank-{rank}.log"), time.monotonic() + 120
+    while True:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if any(os.readlink(f"/proc/{pid}/fd/{fd}") == target for fd in os.listdir(f"/proc/{pid}/fd")):
+                    return int(pid)
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no process opened {target}"
+        time.sleep(0.01)
+
+
+def _time_to_failure(proc, pid: int, freeze: Callable[[], None]) -> tuple[str, float]:
+    """Wait until `pid` is stopped (by `freeze`, or by its own fault), then for the job's end: (stderr, seconds
+    from the freeze to the end). Ends both if the job outlives the test's patience."""
+    try:
+        deadline = time.monotonic() + 120
+        freeze()
+        while (_process_state(pid) or ("gone",))[0] != "T":
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"rank process {pid} never stopped"
+            time.sleep(0.01)
+        frozen = time.monotonic()
+        try:
+            _, err = proc.communicate(timeout=HANG_S + 60)
+        except Exception:
+            raise AssertionError(f"the job still ran {HANG_S + 60} s after the freeze") from None
+        return err, time.monotonic() - frozen
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # its workers follow the launcher out (parallel.launch), all but a stopped one
+            proc.communicate(timeout=60)
+        if (_process_state(pid) or ("gone",))[0] == "T":
+            os.kill(pid, signal.SIGKILL)
+
+
+def _assert_named(err: str, seconds: float, rank: int) -> None:
+    print(f"rank {rank} stopped: the job failed {seconds:.1f} s later")  # (shown with pytest -s)
+    assert seconds < HANG_S + 10, (seconds, err)
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert last.startswith("ddptrain: training failed"), err
+    assert f"rank {rank} on host {HOST} stopped responding (" in last, err
+
+
+@pytest.mark.parametrize("rank, fault, extra", [
+    # Mid-step, before its first micro-batch: the other rank waits in the gradient all-reduce.
+    (1, "rank=1,step=3,kind=stop", []),
+    # During an eval: the other waits in the eval's reduction.
+    (1, "rank=1,step=2,kind=stop,at=eval", ["--eval_every_steps", "2"]),
+    # Writing a checkpoint, as rank 0, which also serves the job's store: rank 1 waits in the checkpoint phase,
+    # whose own limit (--checkpoint_timeout_s, 900 s) is far off, and no read of the store answers.
+    (0, "rank=0,step=2,kind=stop,at=save", ["--save_every_steps", "2"]),
+    # Taking its state for a checkpoint: rank 0 waits for it in the checkpoint phase.
+    (1, "rank=1,step=2,kind=stop,at=snapshot", ["--save_every_steps", "2"]),
+], ids=["mid-step", "eval", "rank0-checkpoint-write", "checkpoint-snapshot"])
+def test_a_stopped_rank_fails_the_job_within_the_hang_timeout_and_is_named(tmp_path, rank, fault, extra):
+    proc = start_cli(["train", *TINY, "--run_dir", str(tmp_path), "--nproc", "2", "--max_steps", "6",
+                      "--hang_timeout_s", str(HANG_S), "--inject_fault", fault, *extra])
+    err, seconds = _time_to_failure(proc, _pid_of_rank(tmp_path, rank, proc), freeze=lambda: None)
+    assert proc.returncode == 1, err
+    _assert_named(err, seconds, rank)
+    assert "injected fault" not in err, err  # (the fault stops the process; it says nothing)
+
+
+def test_an_external_sigstop_after_start_up_is_named(tmp_path):
+    """SIGSTOP from outside, wherever rank 1 is once the run has trained two steps (a step, an eval, a
+    checkpoint write: each epoch is 4 steps, with an eval and a checkpoint at its end)."""
+    proc = start_cli(["train", *TINY, "--run_dir", str(tmp_path), "--nproc", "2", "--epochs", "100000",
+                      "--hang_timeout_s", str(HANG_S)])
+    pid, trained = _pid_of_rank(tmp_path, 1, proc), tmp_path / "metrics.jsonl"
+
+    def freeze() -> None:
+        deadline = time.monotonic() + 120
+        while not (trained.exists() and trained.read_text().count('"split": "train"') >= 2):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run never trained two steps"
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGSTOP)
+
+    err, seconds = _time_to_failure(proc, pid, freeze)
+    assert proc.returncode == 1, err
+    _assert_named(err, seconds, 1)
+
+
+@pytest.mark.parametrize("beat, changed_ago, read_ago, reading_for, named", [
+    # Alive: its beat changed within the timeout (a slow phase on it changes nothing: beats come from a thread).
+    ({"seq": 9, "phase": "checkpoint"}, 2.0, 0.1, None, False),
+    # Its beat has not changed for longer than the timeout, in any phase.
+    ({"seq": 9, "phase": "checkpoint"}, 4.0, 0.1, None, True),
+    # It left its watchdog (the end of its run): silent from then on, not stuck.
+    ({"seq": 9, "phase": DONE}, 60.0, 0.1, None, False),
+    # The store stopped answering reads (its server exited at the end of the run): silence is judged only up
+    # to the last read that answered.
+    ({"seq": 9, "phase": "data"}, 60.0, 59.0, None, False),
+    # A read in flight for longer than the timeout: the store's server, rank 0 here, is stopped.
+    ({"seq": 9, "phase": "data"}, 1.0, 1.0, 4.0, True),
+])
+def test_a_peer_is_stopped_when_its_beat_is_unchanged_for_the_timeout(beat, changed_ago, read_ago, reading_for,
+                                                                      named):
+    class Ctx:
+        rank, host, world_size = 1, "h1", 2
+
+    dog = Watchdog(Ctx(), Path("unused.log"), 3.0, 60.0, 60.0, store=object())
+    now = 1000.0
+    dog._store_on_rank0 = True
+    dog._watched = {0: _Watched({**beat, "step": 5, "host": "h0"}, now - changed_ago, now - read_ago)}
+    dog._reading_since = None if reading_for is None else now - reading_for
+    verdict = dog._stopped_peer(now)
+    if named:
+        assert verdict is not None and verdict[0] == 0 and verdict[1].startswith("rank 0 on host h0 stopped"), verdict
+    else:
+        assert verdict is None, verdict
+
+
+def test_a_peer_that_never_beat_is_named_after_the_start_up_limit():
+    class Ctx:
+        rank, host, world_size, hosts = 0, "h0", 2, ["h0", "h1"]
+
+    dog = Watchdog(Ctx(), Path("unused.log"), 3.0, 60.0, 60.0, store=object())
+    dog._entered = 1000.0
+    dog._watched = {1: _Watched(None, 0.0, 1059.0)}
+    assert dog._stopped_peer(1059.0) is None  # a peer still starting up (rendezvous, first compile) may be slow
+    dog._watched = {1: _Watched(None, 0.0, 1061.0)}
+    verdict = dog._stopped_peer(1061.0)
+    assert verdict is not None and verdict[0] == 1, verdict
+    assert verdict[1].startswith("rank 1 on host h1 stopped responding (no heartbeat in 61 s"), verdict

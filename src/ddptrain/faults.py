@@ -12,6 +12,7 @@ A spec is ``key=value`` pairs separated by commas, from ``--inject_fault`` or ``
     rank=0,step=6,kind=ioerror,at=best,times=2  # keeping step-6 as best/ fails with ENOSPC twice, then works
     rank=0,step=6,kind=corrupt-checkpoint # flips a byte in the checkpoint of step 6 after it commits
     rank=0,step=4,kind=stall,at=save,seconds=30  # a slow checkpoint write: sleeps 30 s, then goes on
+    rank=1,step=4,kind=stop,at=eval       # SIGSTOPs itself in the eval after step 4: frozen, heartbeat too
 
 Steps are numbered like `metrics.jsonl` and `checkpoints/step-N`: step N is the N-th optimizer step.
 
@@ -19,6 +20,11 @@ Steps are numbered like `metrics.jsonl` and `checkpoints/step-N`: step N is the 
 under the sharded layout (fsdp/hsdp) every rank writes its shards, and the fault fires on that rank once
 its shard files are written, inside DCP's collective save. ``at=load`` with ``kind=ioerror`` makes reading
 checkpoint ``step-S`` raise ``OSError(EIO)`` the first ``times`` reads (default 1): a transient I/O error.
+``at=eval`` fires on the rank named as it starts the evaluation that follows step S.
+
+``kind=hang`` stops the main thread only (its watchdog threads go on: a rank that makes no progress);
+``kind=stop`` stops the whole process with SIGSTOP (a frozen VM or a ^Z: nothing in it runs, its heartbeat
+neither).
 
 ``restart=N`` (default 0) arms the fault only in the N-th incarnation under an elastic launcher
 (TORCHELASTIC_RESTART_COUNT), so a restarted job does not fail again at the same place.
@@ -35,8 +41,8 @@ from pathlib import Path
 
 from ddptrain.errors import UsageError
 
-KINDS = ("raise", "sigkill", "exit", "hang", "stall", "nan", "corrupt-checkpoint", "ioerror")
-PLACES = ("step", "save", "snapshot", "load", "best")
+KINDS = ("raise", "sigkill", "exit", "hang", "stop", "stall", "nan", "corrupt-checkpoint", "ioerror")
+PLACES = ("step", "save", "snapshot", "load", "best", "eval")
 ENV_VAR = "DDPTRAIN_FAULT"
 
 
@@ -118,6 +124,11 @@ class FaultInjector:
         if self._due(step, "snapshot"):
             self._fire(f"the snapshot for the checkpoint of step {step}")
 
+    def at_eval(self, step: int) -> None:
+        """Called on every rank as it starts the evaluation after step `step`."""
+        if self._due(step, "eval"):
+            self._fire(f"the evaluation after step {step}")
+
     def at_load(self, step: int) -> None:
         """Called before each attempt to read checkpoint step-`step`: kind=ioerror raises EIO `times` times."""
         self._io_error(step, "load", errno.EIO, f"reading the checkpoint of step {step}")
@@ -158,5 +169,7 @@ class FaultInjector:
         if spec.kind == "hang":
             while True:
                 time.sleep(3600)
+        if spec.kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         if spec.kind == "stall":
             time.sleep(spec.seconds)

@@ -426,6 +426,7 @@ class Trainer(CheckpointedState):
         """Exact eval of the task's metrics over the eval set (rank 0's buffers). Must be called on all ranks."""
         self.train_log.finish()  # the train line of this step comes before its eval line
         self.watchdog.phase("eval")
+        self.injector.at_eval(self.position.step)
         self.parallel.sync_buffers()
         result = self.evaluator.evaluate(self.module, heartbeat=lambda: self.watchdog.phase("eval"))
         if result and self.ema is not None and self.cfg.ema_eval:

@@ -1,10 +1,16 @@
-"""Step watchdog: a rank that makes no progress dumps every thread's stack and fails the job in one line.
+"""Step watchdog: a rank that makes no progress, or a peer that stopped, fails the job in one line naming it.
 
-The training loop reports each phase change (`watchdog.phase(...)`, an attribute write). A checker thread
-fires when the phase has not changed for `hang_timeout_s` (or for the generous startup timeout while
-starting up and checkpointing). A heartbeat thread publishes (step, phase, time) to the job's store, so the
-rank that fires can name the peer that is actually stuck: in a hang every rank ends up waiting, and the
-useful fact is who stopped first.
+Two hangs look alike from outside and differ inside:
+
+- A rank is alive but makes no progress (a stalled data loader, a collective a peer never joins). The training
+  loop reports each phase change (`watchdog.phase(...)`, an attribute write); a checker thread fires when the
+  phase has not changed for `hang_timeout_s` (start-up and checkpoint phases get their own, longer limits).
+- A rank stopped altogether (SIGSTOP, a frozen VM): nothing in it runs, so only a peer can tell, and the
+  peers all wait in collectives, perhaps in a phase with a long limit. Every rank's heartbeat thread
+  publishes (seq, step, phase) to the job's store at once and then every interval; beats come from a thread,
+  so a slow but live rank keeps beating in any phase and only a stopped one falls silent. Each rank watches
+  the next in a ring (and rank 0 when that serves the store): a peer whose beat has not changed for
+  `hang_timeout_s` is the stuck rank, whatever phase this rank waits in.
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -28,6 +36,7 @@ log = logging.getLogger("ddptrain")
 # is behind (in a hang the others wait inside a collective of a later phase).
 PHASE_ORDER = ("startup", "data", "forward/backward", "backward+all-reduce", "optimizer", "log", "sync", "eval",
                "replica check", "checkpoint")
+DONE = "done"  # the last beat of a rank that left its watchdog: silent from then on, and not stuck
 
 
 def dump_stacks(log_path: Path, message: str, rank: int) -> None:
@@ -47,18 +56,29 @@ def _progress(step: int, phase: str, idle_s: float) -> tuple[int, int, float]:
     return step, order, -idle_s
 
 
+def _process_state(pid: int) -> tuple[str, str] | None:
+    """(state letter, start time in clock ticks) of a process from /proc, None if it is gone or unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return fields[0], fields[19]  # stat fields 3 and 22 (after the command name, which may hold spaces)
+
+
 class HangError(RuntimeError):
     pass
 
 
-def record_for_launcher(exc: BaseException) -> None:
-    """Write `exc` to torchelastic's error file so the launcher reports it as this rank's root cause.
+def record_for_launcher(exc: BaseException, error_file: str | None = None) -> None:
+    """Write `exc` to torchelastic's error file (this process's, or `error_file`: a stopped peer's) so the
+    launcher reports it as that rank's root cause.
 
     Atomically (tmp, then rename): the agent SIGTERMs the other workers as soon as one fails, and reads each
     error file as it exits; a file cut short by that signal would crash the agent's JSON parse (and with it
     the whole launch, restarts included). A worker stopped mid-write leaves no file, which the agent expects.
     """
-    target = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    env_target = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    target = error_file or env_target
     if target:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -68,12 +88,23 @@ def record_for_launcher(exc: BaseException) -> None:
             ErrorHandler().record_exception(exc)
             os.replace(tmp, target)
         finally:
-            os.environ["TORCHELASTIC_ERROR_FILE"] = target
+            if env_target is None:
+                del os.environ["TORCHELASTIC_ERROR_FILE"]
+            else:
+                os.environ["TORCHELASTIC_ERROR_FILE"] = env_target
+
+
+@dataclass
+class _Watched:
+    """What this rank knows of a peer's heartbeat, on this rank's monotonic clock (no cross-host skew)."""
+    beat: dict | None = None
+    changed_at: float = 0.0  # when a read first saw the current beat
+    read_at: float = 0.0  # the last read that answered: silence is judged only up to it
 
 
 class Watchdog:
     def __init__(self, ctx: DistributedContext, log_path: Path, hang_timeout_s: float, startup_timeout_s: float,
-                 checkpoint_timeout_s: float):
+                 checkpoint_timeout_s: float, store: dist.Store | None = None):
         self.ctx, self.log_path = ctx, log_path
         self.hang_timeout_s = hang_timeout_s
         # Phases allowed longer than a step: start-up (rendezvous, first compile) and checkpoint writes.
@@ -81,7 +112,22 @@ class Watchdog:
         self.step, self._phase, self._since = 0, "startup", time.monotonic()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._store = dist.distributed_c10d._get_default_store() if ctx.world_size > 1 else None
+        if store is None and ctx.world_size > 1:
+            store = dist.distributed_c10d._get_default_store()
+        self._store = store
+        self._beats, self._warned = 0, False
+        # Static facts of this process in every beat: a peer on this host that finds it stopped ends it (pid and
+        # start time guard against a reused pid) and records the hang where the launcher looks for its error.
+        state = _process_state(os.getpid())
+        self._me = {"host": ctx.host, "pid": os.getpid(), "start": state[1] if state else "",
+                    "error_file": os.environ.get("TORCHELASTIC_ERROR_FILE", "")}
+        # Under env:// rank 0 serves the store unless torchelastic's agent does; a stopped rank 0 then shows
+        # as a store that does not answer, so whoever watches it needs rank 0's beat (pid, host) beforehand.
+        self._store_on_rank0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
+        watched = {(ctx.rank + 1) % ctx.world_size} | ({0} if self._store_on_rank0 else set())
+        self._watched = {rank: _Watched() for rank in sorted(watched - {ctx.rank})}
+        self._reading_since: float | None = None  # a store read in flight since (monotonic)
+        self._entered = time.monotonic()
 
     def phase(self, name: str, step: int | None = None) -> None:
         """Record progress: this rank entered `name`. Cheap enough for the hot path."""
@@ -92,7 +138,11 @@ class Watchdog:
     # --- threads -------------------------------------------------------------------------------
     def __enter__(self) -> Watchdog:
         if self.hang_timeout_s > 0:
-            targets = [self._check] + ([self._heartbeat] if self._store is not None else [])
+            self._entered = time.monotonic()
+            targets = [self._check]
+            if self._store is not None:
+                self._publish()  # at once: a rank stopped before its first interval is still named
+                targets += [self._heartbeat, self._watch]
             for target in targets:
                 thread = threading.Thread(target=target, name=f"ddptrain-{target.__name__[1:]}", daemon=True)
                 thread.start()
@@ -100,47 +150,123 @@ class Watchdog:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
+        self._stop.set()  # the heartbeat thread then publishes the last beat (DONE)
         for thread in self._threads:
             thread.join(timeout=1.0)
 
     def _interval(self) -> float:
-        return max(0.2, min(5.0, self.hang_timeout_s / 10))
+        # A stopped peer is named within about two intervals past hang_timeout_s.
+        return max(0.2, min(2.0, self.hang_timeout_s / 10))
+
+    @staticmethod
+    def _key(rank: int) -> str:
+        return f"ddptrain/heartbeat/{rank}"
+
+    def _publish(self, phase: str | None = None) -> None:
+        self._beats += 1
+        beat = {"seq": self._beats, "step": self.step, "phase": phase or self._phase,
+                "idle_s": time.monotonic() - self._since, "time": time.time(), **self._me}
+        try:
+            self._store.set(self._key(self.ctx.rank), json.dumps(beat))
+        except Exception as exc:  # the store may be back at the next beat; the collectives say if not
+            if not self._warned:
+                log.warning("watchdog: rank %d cannot publish its heartbeat to the store (%s: %s); retrying "
+                            "every %.1f s, a hang report may not name the stuck rank meanwhile",
+                            self.ctx.rank, type(exc).__name__, exc, self._interval())
+                self._warned = True
 
     def _heartbeat(self) -> None:
-        key, warned = f"ddptrain/heartbeat/{self.ctx.rank}", False
         while not self._stop.wait(self._interval()):
-            beat = {"step": self.step, "phase": self._phase, "host": self.ctx.host,
-                    "idle_s": time.monotonic() - self._since, "time": time.time()}
-            try:
-                self._store.set(key, json.dumps(beat))
-            except Exception as exc:  # the store may be back at the next beat; the collectives say if not
-                if not warned:
-                    log.warning("watchdog: rank %d cannot publish its heartbeat to the store (%s: %s); retrying "
-                                "every %.1f s, a hang report may not name the rank furthest behind meanwhile",
-                                self.ctx.rank, type(exc).__name__, exc, self._interval())
-                    warned = True
+            self._publish()
+        self._publish(DONE)
+
+    def _watch(self) -> None:
+        """Read the watched peers' beats every interval. A read may block (a stopped rank 0 serving the store):
+        `_reading_since` lets the checker see that; a read that fails (the store's server exited at the end of
+        the run) leaves nothing to judge, so silence counts only up to the last read that answered."""
+        while True:
+            for rank, seen in self._watched.items():
+                key = self._key(rank)
+                self._reading_since = time.monotonic()
+                try:
+                    raw = self._store.get(key) if self._store.check([key]) else None
+                except Exception:
+                    continue
+                finally:
+                    self._reading_since = None
+                now = time.monotonic()
+                if raw is not None:
+                    beat = json.loads(raw)
+                    if seen.beat is None or beat["seq"] != seen.beat["seq"]:
+                        seen.changed_at = now
+                    seen.beat = beat
+                seen.read_at = now
+            if self._stop.wait(self._interval()):
+                return
 
     def _check(self) -> None:
         while not self._stop.wait(self._interval()):
+            now = time.monotonic()
+            stopped = self._stopped_peer(now)
+            if stopped is not None:
+                rank, what = stopped
+                seen = self._watched.get(rank)
+                self._fire(f"hang: {what}; {self._where(now - self._since)}", seen.beat if seen else None)
             limit = self.slow_phase_limits_s.get(self._phase, self.hang_timeout_s)
-            idle = time.monotonic() - self._since
+            idle = now - self._since
             if idle > limit:
-                self._fire(idle)
+                self._fire(*self._describe(idle, self._peers()))
 
-    # --- firing --------------------------------------------------------------------------------
+    # --- judging -------------------------------------------------------------------------------
+    def _stopped_peer(self, now: float) -> tuple[int | None, str] | None:
+        """(rank, what) of a watched peer that stopped: its beat unchanged for hang_timeout_s, no beat at all
+        past the start-up limit, or (rank None unless rank 0 serves it) a store read unanswered that long."""
+        reading = self._reading_since
+        if reading is not None and now - reading > self.hang_timeout_s:
+            silent = f"the job's store has not answered for {now - reading:.0f} s"
+            if self._store_on_rank0 and self.ctx.rank != 0:
+                return 0, f"{self._name(0)} stopped responding ({silent}, and rank 0 serves it{self._last(0, now)})"
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            return None, f"{silent} (served by the launcher's agent at {where})"
+        for rank, seen in self._watched.items():
+            if seen.beat is None:
+                if seen.read_at - self._entered > self.slow_phase_limits_s["startup"]:
+                    return rank, (f"{self._name(rank)} stopped responding (no heartbeat in "
+                                  f"{seen.read_at - self._entered:.0f} s since this rank started)")
+            elif seen.beat["phase"] != DONE and seen.read_at - seen.changed_at > self.hang_timeout_s:
+                return rank, f"{self._name(rank)} stopped responding ({self._last(rank, now).removeprefix('; ')})"
+        return None
+
+    def _name(self, rank: int) -> str:
+        seen = self._watched.get(rank)
+        hosts = getattr(self.ctx, "hosts", None) or []
+        host = seen.beat["host"] if seen and seen.beat else hosts[rank] if rank < len(hosts) else "?"
+        return f"rank {rank} on host {host}"
+
+    def _last(self, rank: int, now: float) -> str:
+        seen = self._watched.get(rank)
+        if seen is None or seen.beat is None:
+            return ""
+        beat = seen.beat
+        return f"; last heartbeat {now - seen.changed_at:.0f} s ago at step {beat['step']}, phase {beat['phase']}"
+
+    def _where(self, idle: float) -> str:
+        return (f"seen from rank {self.ctx.rank} on host {self.ctx.host}, idle {idle:.0f} s at step {self.step} "
+                f"(phase {self._phase})")
+
     def _peers(self) -> list[dict]:
-        """Latest heartbeats of the other ranks (bounded wait: the store may be unreachable)."""
+        """Latest heartbeats of the other ranks (bounded wait: the store may not answer)."""
         if self._store is None:
             return []
         found: list[dict] = []
 
         def read() -> None:
             for rank in range(self.ctx.world_size):
-                key = f"ddptrain/heartbeat/{rank}"
+                key = self._key(rank)
                 if rank != self.ctx.rank and self._store.check([key]):
                     beat = json.loads(self._store.get(key))
-                    beat["idle_s"] += time.time() - beat["time"]  # age of the beat itself
+                    beat["age_s"] = time.time() - beat["time"]
+                    beat["idle_s"] += beat["age_s"]
                     found.append({"rank": rank, **beat})
 
         reader = threading.Thread(target=read, daemon=True)
@@ -149,22 +275,54 @@ class Watchdog:
         return found
 
     def describe(self, idle: float) -> str:
+        return self._describe(idle, self._peers())[0]
+
+    def _describe(self, idle: float, peers: list[dict]) -> tuple[str, dict | None]:
+        """The line for this rank's own timer, and the beat of the peer it names as stopped: a peer whose
+        beats stopped several intervals ago (a live rank's come every interval), else the peer furthest
+        behind is named."""
         me = f"rank {self.ctx.rank} on host {self.ctx.host}"
-        line = f"hang: {me} made no progress for {idle:.0f} s at step {self.step} (phase {self._phase})"
-        peers = self._peers()
+        line = f"{me} made no progress for {idle:.0f} s at step {self.step} (phase {self._phase})"
+        peers = [p for p in peers if p["phase"] != DONE]
+        silent = [p for p in peers if p.get("age_s", 0.0) > max(3 * self._interval(), 1.0)]
+        if silent:
+            worst = max(silent, key=lambda p: p["age_s"])
+            return (f"hang: rank {worst['rank']} on host {worst['host']} stopped responding (last heartbeat "
+                    f"{worst['age_s']:.0f} s ago at step {worst['step']}, phase {worst['phase']}); {line}"), worst
+        line = f"hang: {line}"
         if peers:
             # The stuck rank is the one furthest behind: lowest step, then earliest phase, then longest idle.
             worst = min(peers, key=lambda p: _progress(p["step"], p["phase"], p["idle_s"]))
             if _progress(worst["step"], worst["phase"], worst["idle_s"]) < _progress(self.step, self._phase, idle):
                 line += (f"; rank {worst['rank']} on host {worst['host']} is furthest behind: step "
                          f"{worst['step']}, phase {worst['phase']}, idle {worst['idle_s']:.0f} s")
-        return line
+        return line, None
 
-    def _fire(self, idle: float) -> None:
-        message = self.describe(idle)
+    # --- firing --------------------------------------------------------------------------------
+    def _end_if_stopped(self, beat: dict, error: HangError) -> None:
+        """A stopped process cannot act on the launcher's SIGTERM: its agent would wait out the shutdown grace
+        (60 s under --nproc, 30 s under torchrun) before its SIGKILL, the job hanging on meanwhile. A peer on
+        this host that is stopped (state T, the same process that beat) is ended now, its error file holding
+        the hang, so that the launcher names it whichever of the two it reports. On another host its own
+        agent ends it."""
+        if beat.get("host") != self.ctx.host or not beat.get("pid"):
+            return
+        if _process_state(beat["pid"]) != ("T", beat.get("start")):
+            return
+        if beat.get("error_file"):
+            try:
+                record_for_launcher(error, beat["error_file"])
+            except OSError:
+                pass  # the launcher then reports it killed by a signal; this rank's own record names it
+        os.kill(beat["pid"], signal.SIGKILL)
+
+    def _fire(self, message: str, stopped: dict | None = None) -> None:
+        """Report `message` (and this rank's stacks), end a stopped peer whose beat is `stopped`, and exit."""
         dump_stacks(self.log_path, message, self.ctx.rank)
         log.error("%s; stacks in %s", message, self.log_path)
         sys.stderr.write(f"ddptrain: {message}; stacks in {self.log_path}\n")
         sys.stderr.flush()
+        if stopped is not None:
+            self._end_if_stopped(stopped, HangError(message))
         record_for_launcher(HangError(message))
         os._exit(EXIT_FAILURE)  # the main thread is stuck; only a hard exit ends the process
