@@ -315,7 +315,7 @@ def test_an_external_sigstop_after_start_up_is_named(tmp_path):
 def test_a_peer_is_stopped_when_its_beat_is_unchanged_for_the_timeout(beat, changed_ago, read_ago, reading_for,
                                                                       named):
     class Ctx:
-        rank, host, world_size = 1, "h1", 2
+        rank, host, world_size, hosts = 1, "h1", 2, ["h0", "h1"]
 
     dog = Watchdog(Ctx(), Path("unused.log"), 3.0, 60.0, 60.0, store=object())
     now = 1000.0

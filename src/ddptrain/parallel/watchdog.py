@@ -116,11 +116,13 @@ class Watchdog:
             store = dist.distributed_c10d._get_default_store()
         self._store = store
         self._beats, self._warned = 0, False
-        # Static facts of this process in every beat: a peer on this host that finds it stopped ends it (pid and
-        # start time guard against a reused pid) and records the hang where the launcher looks for its error.
+        # Static facts of this process, every rank's gathered as the watchdog starts: a peer on this host that
+        # finds it stopped ends it (pid and start time guard against a reused pid) and records the hang where the
+        # launcher looks for its error.
         state = _process_state(os.getpid())
         self._me = {"host": ctx.host, "pid": os.getpid(), "start": state[1] if state else "",
                     "error_file": os.environ.get("TORCHELASTIC_ERROR_FILE", "")}
+        self._facts: list[dict] = []
         # Under env:// rank 0 serves the store unless torchelastic's agent does; a stopped rank 0 then shows
         # as a store that does not answer, so whoever watches it needs rank 0's beat (pid, host) beforehand.
         self._store_on_rank0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True)
@@ -142,6 +144,10 @@ class Watchdog:
             targets = [self._check]
             if self._store is not None:
                 self._publish()  # at once: a rank stopped before its first interval is still named
+                # A collective, not the store: a watcher reading the facts from beats could miss a peer stopped
+                # within its first interval (or a stopped rank 0, whose store then answers no one).
+                self._facts = [{}] * self.ctx.world_size
+                dist.all_gather_object(self._facts, self._me, group=self.ctx.control_group)
                 targets += [self._heartbeat, self._watch]
             for target in targets:
                 thread = threading.Thread(target=target, name=f"ddptrain-{target.__name__[1:]}", daemon=True)
@@ -164,8 +170,8 @@ class Watchdog:
 
     def _publish(self, phase: str | None = None) -> None:
         self._beats += 1
-        beat = {"seq": self._beats, "step": self.step, "phase": phase or self._phase,
-                "idle_s": time.monotonic() - self._since, "time": time.time(), **self._me}
+        beat = {"seq": self._beats, "step": self.step, "phase": phase or self._phase, "host": self.ctx.host,
+                "idle_s": time.monotonic() - self._since, "time": time.time()}
         try:
             self._store.set(self._key(self.ctx.rank), json.dumps(beat))
         except Exception as exc:  # the store may be back at the next beat; the collectives say if not
@@ -210,8 +216,7 @@ class Watchdog:
             stopped = self._stopped_peer(now)
             if stopped is not None:
                 rank, what = stopped
-                seen = self._watched.get(rank)
-                self._fire(f"hang: {what}; {self._where(now - self._since)}", seen.beat if seen else None)
+                self._fire(f"hang: {what}; {self._where(now - self._since)}", rank)
             limit = self.slow_phase_limits_s.get(self._phase, self.hang_timeout_s)
             idle = now - self._since
             if idle > limit:
@@ -238,10 +243,8 @@ class Watchdog:
         return None
 
     def _name(self, rank: int) -> str:
-        seen = self._watched.get(rank)
         hosts = getattr(self.ctx, "hosts", None) or []
-        host = seen.beat["host"] if seen and seen.beat else hosts[rank] if rank < len(hosts) else "?"
-        return f"rank {rank} on host {host}"
+        return f"rank {rank} on host {hosts[rank] if rank < len(hosts) else '?'}"
 
     def _last(self, rank: int, now: float) -> str:
         seen = self._watched.get(rank)
@@ -277,8 +280,8 @@ class Watchdog:
     def describe(self, idle: float) -> str:
         return self._describe(idle, self._peers())[0]
 
-    def _describe(self, idle: float, peers: list[dict]) -> tuple[str, dict | None]:
-        """The line for this rank's own timer, and the beat of the peer it names as stopped: a peer whose
+    def _describe(self, idle: float, peers: list[dict]) -> tuple[str, int | None]:
+        """The line for this rank's own timer, and the peer it names as stopped: a peer whose
         beats stopped several intervals ago (a live rank's come every interval), else the peer furthest
         behind is named."""
         me = f"rank {self.ctx.rank} on host {self.ctx.host}"
@@ -288,7 +291,7 @@ class Watchdog:
         if silent:
             worst = max(silent, key=lambda p: p["age_s"])
             return (f"hang: rank {worst['rank']} on host {worst['host']} stopped responding (last heartbeat "
-                    f"{worst['age_s']:.0f} s ago at step {worst['step']}, phase {worst['phase']}); {line}"), worst
+                    f"{worst['age_s']:.0f} s ago at step {worst['step']}, phase {worst['phase']}); {line}"), worst["rank"]
         line = f"hang: {line}"
         if peers:
             # The stuck rank is the one furthest behind: lowest step, then earliest phase, then longest idle.
@@ -299,30 +302,29 @@ class Watchdog:
         return line, None
 
     # --- firing --------------------------------------------------------------------------------
-    def _end_if_stopped(self, beat: dict, error: HangError) -> None:
+    def _end_if_stopped(self, rank: int, error: HangError) -> None:
         """A stopped process cannot act on the launcher's SIGTERM: its agent would wait out the shutdown grace
         (60 s under --nproc, 30 s under torchrun) before its SIGKILL, the job hanging on meanwhile. A peer on
         this host that is stopped (state T, the same process that beat) is ended now, its error file holding
         the hang, so that the launcher names it whichever of the two it reports. On another host its own
         agent ends it."""
-        if beat.get("host") != self.ctx.host or not beat.get("pid"):
+        facts = self._facts[rank] if rank < len(self._facts) else {}
+        if not facts or facts["host"] != self.ctx.host or _process_state(facts["pid"]) != ("T", facts["start"]):
             return
-        if _process_state(beat["pid"]) != ("T", beat.get("start")):
-            return
-        if beat.get("error_file"):
+        if facts["error_file"]:
             try:
-                record_for_launcher(error, beat["error_file"])
+                record_for_launcher(error, facts["error_file"])
             except OSError:
                 pass  # the launcher then reports it killed by a signal; this rank's own record names it
-        os.kill(beat["pid"], signal.SIGKILL)
+        os.kill(facts["pid"], signal.SIGKILL)
 
-    def _fire(self, message: str, stopped: dict | None = None) -> None:
-        """Report `message` (and this rank's stacks), end a stopped peer whose beat is `stopped`, and exit."""
+    def _fire(self, message: str, stopped_rank: int | None = None) -> None:
+        """Report `message` (and this rank's stacks), end `stopped_rank` if it is a stopped process here, exit."""
         dump_stacks(self.log_path, message, self.ctx.rank)
         log.error("%s; stacks in %s", message, self.log_path)
         sys.stderr.write(f"ddptrain: {message}; stacks in {self.log_path}\n")
         sys.stderr.flush()
-        if stopped is not None:
-            self._end_if_stopped(stopped, HangError(message))
+        if stopped_rank is not None:
+            self._end_if_stopped(stopped_rank, HangError(message))
         record_for_launcher(HangError(message))
         os._exit(EXIT_FAILURE)  # the main thread is stuck; only a hard exit ends the process
