@@ -52,6 +52,11 @@ class TrainConfig:
                               group="model and data")
     label_field: str = opt("label", "hf datasets, classification: the field of the class index",
                            group="model and data")
+    messages_field: str = opt("messages", "hf datasets, language_model: the field of chat records (a list of "
+                              "{role, content}), formatted with the tokenizer's chat template; read when the "
+                              "records have it and no --text_field", group="model and data")
+    train_on: str = opt("assistant", "chat records: the tokens the loss is on (assistant: the assistant's turns "
+                        "only; all: every token)", choices=("assistant", "all"), group="model and data")
     eval_data: str = opt("", "hf datasets: a held-out file or directory in the same format (default: the "
                          "dataset's own validation or test split, if it has one)", group="model and data")
     pad_token_id: int = opt(-1, "the token id padding gets in variable-length batches (-1: the tokenizer's pad "
@@ -361,7 +366,8 @@ BUILTIN_MODELS = ("mini_resnet", "mlp", "gpt")
 # the same global batch: resumed sample-exactly), and everything about saving, logging and speed.
 TRAINING_SETTINGS = (
     "task", "model", "dataset", "data_dir", "tokenizer", "text_field", "prompt_field", "response_field",
-    "label_field", "pad_token_id", "seq_len", "vocab_size", "num_layers", "num_heads", "num_classes", "in_channels",
+    "label_field", "messages_field", "train_on", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+    "pad_token_id", "seq_len", "vocab_size", "num_layers", "num_heads", "num_classes", "in_channels",
     "image_size", "dataset_size", "width", "norm", "sync_batchnorm", "optimizer", "lr", "momentum", "weight_decay",
     "decay_all", "lr_schedule", "warmup_steps", "min_lr", "scale_lr", "base_batch_size", "grad_clip", "use_amp",
     "amp_dtype", "seed")

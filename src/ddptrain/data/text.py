@@ -166,5 +166,5 @@ def _tokens(files: list[str], tokenizer_dir: str) -> tuple[np.ndarray, int, str]
             text = Path(name).read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise UsageError(f"{name}: not UTF-8 text ({exc.reason} at byte {exc.start}); pass text files") from None
-        ids.append(np.asarray(tokenizer.encode([text])[0] + end, dtype=np.int64))
+        ids.append(np.asarray(tokenizer.encode([text], special=False)[0] + end, dtype=np.int64))
     return np.concatenate(ids), tokenizer.vocab_size, str(Path(tokenizer_dir).resolve())

@@ -35,10 +35,11 @@ from torch.utils.data import Dataset
 
 from ddptrain.config import TrainConfig
 from ddptrain.errors import UsageError, first_line
+from ddptrain.models import chat
 
 PREFIX = "hf:"
 HF_DIR = "hf"  # RUN_DIR/hf: the trained model in the save_pretrained layout
-CACHE_FORMAT = "ddptrain-hf-tokenized/1"
+CACHE_FORMAT = "ddptrain-hf-tokenized/2"  # 2: the tokenizer's own special tokens, chat records
 
 
 def is_hf(ref: str) -> bool:
@@ -161,7 +162,7 @@ def _skeleton(cfg: TrainConfig, run_config: Path | None) -> nn.Module:
 
 # --- tokenizers -----------------------------------------------------------------------------------
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", chat.TEMPLATE_FILE)
 
 
 class TextTokenizer:
@@ -174,19 +175,22 @@ class TextTokenizer:
         special = {}
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
             if (directory / name).is_file():
-                special.update({k: v for k, v in json.loads((directory / name).read_text()).items()
-                                if k in ("pad_token", "eos_token") and v})
+                special.update({k: v.get("content") if isinstance(v, dict) else v  # {"content": "<pad>", ...}
+                                for k, v in json.loads((directory / name).read_text()).items()
+                                if k in ("bos_token", "eos_token", "pad_token", "unk_token") and v})
+        self.special = {k: v for k, v in special.items() if isinstance(v, str)}  # what a chat template may name
         self.pad_id = self._id(special.get("pad_token"))
         self.eos_id = self._id(special.get("eos_token"))
         self.vocab_size = self.tokenizer.get_vocab_size()
+        self.chat_template = chat.read_template(directory)
 
     def _id(self, token: Any) -> int | None:
-        if isinstance(token, dict):  # {"content": "<pad>", ...}
-            token = token.get("content")
         return self.tokenizer.token_to_id(token) if isinstance(token, str) else None
 
-    def encode(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    def encode(self, texts: list[str], special: bool = True) -> list[list[int]]:
+        """Token ids of each text; `special`: with the special tokens the tokenizer adds to a text of its own (a
+        Llama tokenizer's BOS), as `AutoTokenizer(text)` gives them at inference."""
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=special)]
 
     def digest(self) -> str:
         h = hashlib.sha256()
@@ -248,10 +252,16 @@ def check_dataset(cfg: TrainConfig) -> None:
     require("datasets", f"--dataset {cfg.dataset}")
 
 
-def _fields(cfg: TrainConfig) -> list[str]:
+def _fields(cfg: TrainConfig, columns: list[str] | None = None) -> list[str]:
+    """The record fields the flags read; chat records' when `columns` (the data's) hold --messages_field and not
+    --text_field."""
     if cfg.task == "classification":
         return [cfg.text_field, cfg.label_field]
-    return [cfg.prompt_field, cfg.response_field] if cfg.prompt_field else [cfg.text_field]
+    if cfg.prompt_field:
+        return [cfg.prompt_field, cfg.response_field]
+    if columns is not None and cfg.messages_field in columns and cfg.text_field not in columns:
+        return [cfg.messages_field]
+    return [cfg.text_field]
 
 
 def _read(path: Path, flag: str, cache: Path) -> Any:
@@ -301,30 +311,80 @@ class TokenizedRecords(Dataset):
 
 
 def _tokenize(records: Any, cfg: TrainConfig, tokenizer: TextTokenizer, flag: str, path: Path) -> Any:
-    missing = [f for f in _fields(cfg) if f not in records.column_names]
+    """The records as token ids (and labels): tokenized as inference tokenizes a prompt (the tokenizer's own
+    special tokens, a Llama's BOS), ended by its end-of-text token, cut to --seq_len."""
+    fields = _fields(cfg, records.column_names)
+    missing = [f for f in fields if f not in records.column_names]
     if missing:
         flags = {cfg.text_field: "--text_field", cfg.label_field: "--label_field", cfg.prompt_field: "--prompt_field",
                  cfg.response_field: "--response_field"}
+        reads = ("--task classification reads --text_field and --label_field" if cfg.task == "classification" else
+                 "--task language_model reads --text_field, --prompt_field with --response_field, or chat records "
+                 f"in --messages_field ({cfg.messages_field})")
         raise UsageError(f"{flags[missing[0]]} {missing[0]}: {flag} {path} has no such field (it has "
-                         f"{', '.join(records.column_names)})")
+                         f"{', '.join(records.column_names)}; {reads})")
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     limit = cfg.seq_len
+    render = None
+    if fields == [cfg.messages_field]:
+        if tokenizer.chat_template is None:
+            raise UsageError(f"{flag} {path}: chat records ({cfg.messages_field}) need a chat template, and --tokenizer "
+                             f"{cfg.tokenizer} has none (tokenizer_config.json's chat_template)")
+        render = chat.compile_template(tokenizer.chat_template, tokenizer.special)
 
-    def rows(batch: dict[str, list]) -> dict[str, list]:
+    def texts(batch: dict[str, list], field: str, first: int) -> list[str]:
+        """The field's values, each a string: a null is the file's mistake, not the text "None"."""
+        for i, value in enumerate(batch[field]):
+            if not isinstance(value, str):
+                raise UsageError(f"{flag} {path}: record {first + i} has {field} {json.dumps(value, default=str)[:40]}, "
+                                 "not text; fix or drop that record")
+        return batch[field]
+
+    def rows(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        first = indices[0]
         if cfg.task == "classification":
-            ids = [seq[:limit] for seq in tokenizer.encode([str(t) for t in batch[cfg.text_field]])]
+            ids = [seq[:limit] for seq in tokenizer.encode(texts(batch, cfg.text_field, first))]
             return {"input_ids": ids, "labels": [int(label) for label in batch[cfg.label_field]]}
+        if render is not None:
+            out: dict[str, list] = {"input_ids": [], "labels": [], "prompt_tokens": []}
+            for i, messages in enumerate(batch[cfg.messages_field]):
+                where = f"{flag} {path}: record {first + i}"
+                ids, labels = chat.tokenize_chat(chat.check_messages(messages, where), render,
+                                                 lambda text: tokenizer.encode([text], special=False)[0],
+                                                 cfg.train_on, where)
+                out["input_ids"].append(ids[:limit])
+                out["labels"].append(labels[:limit])
+                out["prompt_tokens"].append(next((j for j, label in enumerate(labels) if label != -100), len(ids)))
+            return out
         if not cfg.prompt_field:
-            return {"input_ids": [(seq + eos)[:limit] for seq in tokenizer.encode([str(t) for t in batch[cfg.text_field]])]}
-        prompts = tokenizer.encode([str(t) for t in batch[cfg.prompt_field]])
-        responses = tokenizer.encode([str(t) for t in batch[cfg.response_field]])
-        out: dict[str, list] = {"input_ids": [], "labels": []}
+            return {"input_ids": [(seq + eos)[:limit] for seq in tokenizer.encode(texts(batch, cfg.text_field, first))]}
+        prompts = tokenizer.encode(texts(batch, cfg.prompt_field, first))
+        responses = tokenizer.encode(texts(batch, cfg.response_field, first), special=False)
+        out = {"input_ids": [], "labels": [], "prompt_tokens": []}
         for prompt, response in zip(prompts, responses):
             out["input_ids"].append((prompt + response + eos)[:limit])
             out["labels"].append(([-100] * len(prompt) + response + eos)[:limit])
+            out["prompt_tokens"].append(len(prompt))
         return out
 
-    return records.map(rows, batched=True, remove_columns=records.column_names)
+    tokenized = records.map(rows, batched=True, with_indices=True, remove_columns=records.column_names)
+    if "prompt_tokens" in tokenized.column_names:
+        _check_cut_off(tokenized["labels"], tokenized["prompt_tokens"], cfg, flag, path)
+        tokenized = tokenized.remove_columns("prompt_tokens")
+    return tokenized
+
+
+def _check_cut_off(labels: list[list[int]], prompt_tokens: list[int], cfg: TrainConfig, flag: str, path: Path) -> None:
+    """Records whose every learnt token --seq_len cut off teach nothing: all of them is exit 2 (the loss would be
+    NaN), some of them one line with the count."""
+    empty = [i for i, row in enumerate(labels) if all(label == -100 for label in row)]
+    if not empty:
+        return
+    if len(empty) == len(labels):
+        raise UsageError(f"--seq_len {cfg.seq_len}: every record of {flag} {path} has its response cut off (the "
+                         f"longest prompt is {max(prompt_tokens)} tokens); raise --seq_len or shorten the prompts")
+    print(f"ddptrain: {len(empty)} of {len(labels)} records of {flag} {path} have their response cut off by --seq_len "
+          f"{cfg.seq_len} (first: record {empty[0]}); they train nothing", flush=True)
 
 
 def _key(cfg: TrainConfig, path: Path, tokenizer: TextTokenizer) -> str:
@@ -334,7 +394,7 @@ def _key(cfg: TrainConfig, path: Path, tokenizer: TextTokenizer) -> str:
         stat = file.stat()
         h.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     h.update(tokenizer.digest().encode())
-    h.update(json.dumps([cfg.task, _fields(cfg), cfg.seq_len]).encode())
+    h.update(json.dumps([cfg.task, _fields(cfg), cfg.messages_field, cfg.train_on, cfg.seq_len]).encode())
     return h.hexdigest()[:16]
 
 

@@ -1,0 +1,173 @@
+"""Fine-tuning data as practitioners bring it: chat records formatted with the tokenizer's own chat template
+(loss on the assistant's turns), records tokenized exactly as inference tokenizes them (a Llama-style BOS), and
+the silent wrongs of the Hugging Face data path made loud. A BPE tokenizer trained here on CPython's pydoc text,
+with BOS/EOS and a chat template, saved as transformers saves it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_close_weights, one_line_error, run_cli, train, weights
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("datasets")
+
+# A template in the style of the chat models': each turn between role markers, ended by </s>; the prompt for a
+# reply is the assistant's marker.
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SPECIAL = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from pydoc_data.topics import topics
+
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([topics[key] for key in sorted(topics)], trainer)
+    # As a Llama tokenizer does: BOS before every text it encodes with its special tokens.
+    bpe.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    directory = tmp_path_factory.mktemp("tokenizer")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                         chat_template=TEMPLATE).save_pretrained(directory)
+    return directory
+
+
+def words(n: int, offset: int = 0) -> list[str]:
+    from pydoc_data.topics import topics
+
+    return " ".join(topics[key] for key in sorted(topics)).split()[offset:offset + n]
+
+
+def conversation(i: int) -> list[dict[str, str]]:
+    """A system line, a question, its answer (the question's words reversed), a follow-up and its answer."""
+    question = " ".join(words(3 + i % 4, i * 7))
+    follow = " ".join(words(2, i * 7 + 50))
+    return [{"role": "system", "content": "reverse the words"},
+            {"role": "user", "content": question}, {"role": "assistant", "content": " ".join(reversed(question.split()))},
+            {"role": "user", "content": follow}, {"role": "assistant", "content": " ".join(reversed(follow.split()))}]
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("chats") / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(96)))
+    return path
+
+
+def tokenized(tokenizer_dir: Path, data: Path, *flags: str) -> list[dict]:
+    """The records as ddptrain tokenizes them for training (its cache beside the data)."""
+    from ddptrain.config import TrainConfig
+    from ddptrain.models import hf
+
+    cfg = TrainConfig(task="language_model", model="gpt", dataset=f"hf:{data}", tokenizer=str(tokenizer_dir),
+                      seq_len=256, **dict(zip(flags[::2], flags[1::2])))
+    train_ds, _ = hf.build_datasets(cfg)
+    return [{k: v.tolist() for k, v in train_ds[i].items()} for i in range(len(train_ds))]
+
+
+def test_chat_records_are_formatted_by_the_tokenizers_template_and_learn_only_the_assistants_turns(tokenizer_dir,
+                                                                                                    chats):
+    """The ids are transformers' apply_chat_template's, bitwise; the labelled tokens are exactly the assistant
+    turns with their </s> (what the model must learn to say and where to stop); --train_on all labels every one."""
+    reference = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = tokenized(tokenizer_dir, chats)
+    for i, row in enumerate(rows[:8]):
+        messages = conversation(i)
+        assert row["input_ids"] == reference.apply_chat_template(messages, tokenize=True, return_dict=False)
+        learnt = [token for token, label in zip(row["input_ids"], row["labels"]) if label != -100]
+        assert [label for label in row["labels"] if label != -100] == learnt
+        answers = [m["content"] + "</s>" for m in messages if m["role"] == "assistant"]
+        assert reference.decode(learnt) == "".join(answers)
+    everything = tokenized(tokenizer_dir, chats, "train_on", "all")
+    assert everything[0]["labels"] == everything[0]["input_ids"]
+
+
+def test_training_rows_are_tokenized_as_inference_tokenizes_a_prompt(tokenizer_dir, tmp_path):
+    """A prompt/response record's ids begin with exactly what the tokenizer gives the prompt at inference (BOS
+    first), and a text record's are the tokenizer's own encoding of the text, ended by </s>."""
+    reference = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    data = tmp_path / "pairs.jsonl"
+    prompt, response, text = " ".join(words(6)), " ".join(words(4, 40)), " ".join(words(9, 80))
+    data.write_text(json.dumps({"q": prompt, "a": response, "text": text}) + "\n")
+    [pair] = tokenized(tokenizer_dir, data, "prompt_field", "q", "response_field", "a")
+    at_inference = reference(prompt)["input_ids"]
+    assert at_inference[0] == reference.bos_token_id
+    assert pair["input_ids"][:len(at_inference)] == at_inference
+    assert pair["labels"][:len(at_inference)] == [-100] * len(at_inference)
+    [plain] = tokenized(tokenizer_dir, data)
+    assert plain["input_ids"] == reference(text)["input_ids"] + [reference.eos_token_id]
+
+
+@pytest.mark.parametrize("case", ["null", "all-cut-off", "no-template", "not-messages", "task-fields"])
+def test_silent_wrongs_of_the_data_are_one_line_exit_2(case, tokenizer_dir, chats, tmp_path):
+    data = tmp_path / "records.jsonl"
+    flags = ["--prompt_field", "q", "--response_field", "a"]
+    task = ["--task", "language_model", "--model", "gpt", "--vocab_size", "320", "--seq_len", "32"]
+    tokenizer = str(tokenizer_dir)
+    if case == "null":
+        data.write_text(json.dumps({"q": "a", "a": "b"}) + "\n" + json.dumps({"q": "c", "a": None}) + "\n")
+    elif case == "all-cut-off":
+        data.write_text("".join(json.dumps({"q": " ".join(words(40, i)), "a": "x"}) + "\n" for i in range(4)))
+        task[-1] = "16"
+    elif case == "no-template":
+        data.write_text(chats.read_text())
+        flags, tokenizer = [], str(tmp_path / "plain")
+        reference = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+        reference.chat_template = None
+        reference.save_pretrained(tokenizer)
+        (Path(tokenizer) / "chat_template.jinja").unlink(missing_ok=True)
+    elif case == "not-messages":
+        data.write_text(json.dumps({"messages": [{"role": "user", "text": "hi"}]}) + "\n")
+        flags = []
+    else:
+        data.write_text(chats.read_text())
+        flags, task = [], ["--task", "classification", "--model", "gpt", "--vocab_size", "320"]
+    line = one_line_error(run_cli(["train", "--run_dir", str(tmp_path / "run"), *task, "--dataset", f"hf:{data}",
+                                   "--tokenizer", tokenizer, *flags, "--no-progress", "--num_workers", "0"]))
+    expected = {"null": ["record 1", "a", str(data)], "all-cut-off": ["--seq_len 16", "cut off", "prompt is"],
+                "no-template": ["chat template", "--tokenizer"], "not-messages": ["record 0", "string content"],
+                "task-fields": ["--text_field text", "--task classification reads"]}[case]
+    assert all(part in line for part in expected), line
+
+
+def test_some_cut_off_records_are_counted_in_one_line(tokenizer_dir, tmp_path):
+    data = tmp_path / "records.jsonl"
+    long, short = " ".join(words(40)), " ".join(words(2))
+    data.write_text("".join(json.dumps({"q": long if i % 4 == 0 else short, "a": "x y"}) + "\n" for i in range(8)))
+    proc = run_cli(["train", "--run_dir", str(tmp_path / "run"), "--task", "language_model", "--model", "gpt",
+                    "--vocab_size", "320", "--seq_len", "24", "--dataset", f"hf:{data}", "--tokenizer",
+                    str(tokenizer_dir), "--prompt_field", "q", "--response_field", "a", "--max_steps", "1",
+                    "--batch_size", "2", "--no-progress", "--num_workers", "0"])
+    assert proc.returncode == 0, proc.stderr
+    assert "2 of 8 records" in proc.stdout and "cut off by --seq_len 24" in proc.stdout
+
+
+def test_lora_on_chat_records_on_two_processes_learns_what_one_process_learns(tokenizer_dir, chats, tmp_path):
+    """The fine-tuning path end to end: a Llama from a config, chat records, LoRA adapters; 2 processes with
+    accumulation equal 1 process on the whole batch (1e-5), and the eval loss (assistant tokens only) falls."""
+    pytest.importorskip("peft")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=320,
+                                      max_position_embeddings=128)
+    torch.manual_seed(0)
+    base = tmp_path / "llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(base)
+    job = ["--task", "language_model", "--model", f"hf:{base}", "--dataset", f"hf:{chats}", "--tokenizer",
+           str(tokenizer_dir), "--seq_len", "64", "--lora_rank", "4", "--epochs", "2", "--lr", "0.01",
+           "--optimizer", "adamw", "--save_every", "0", "--eval_size", "0"]
+    train(tmp_path / "one", *job, "--batch_size", "16", timeout=300)
+    train(tmp_path / "two", *job, "--batch_size", "4", "--grad_accum_steps", "2", nproc=2, timeout=300)
+    assert_close_weights(weights(tmp_path / "one" / "model.safetensors"),
+                         weights(tmp_path / "two" / "model.safetensors"), rel=1e-5)
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line).get("split") == "train"]
+    assert losses[-1] < losses[0], losses
