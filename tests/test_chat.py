@@ -171,3 +171,24 @@ def test_lora_on_chat_records_on_two_processes_learns_what_one_process_learns(to
     losses = [json.loads(line)["loss"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
               if json.loads(line).get("split") == "train"]
     assert losses[-1] < losses[0], losses
+
+
+def test_a_tokenizer_retrained_in_the_same_directory_is_refused_on_resume(tokenizer_dir, tmp_path):
+    """The checkpoint records the tokenizer's files' digest: the same --tokenizer path holding a retrained
+    tokenizer (other merges, other ids) is a changed setting, exit 2 with one line, like any other."""
+    import shutil
+
+    mine = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, mine)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"q": " ".join(words(3, i)), "a": "x"}) + "\n" for i in range(16)))
+    job = ["train", "--run_dir", str(tmp_path / "run"), "--task", "language_model", "--model", "gpt",
+           "--vocab_size", "320", "--seq_len", "32", "--width", "16", "--num_layers", "1", "--num_heads", "2",
+           "--dataset", f"hf:{data}", "--tokenizer", str(mine), "--prompt_field", "q", "--response_field", "a",
+           "--batch_size", "4", "--save_every_steps", "2", "--no-progress", "--num_workers", "0"]
+    assert run_cli([*job, "--max_steps", "2"]).returncode == 0
+    config = json.loads((mine / "tokenizer.json").read_text())
+    config["model"]["merges"] = config["model"]["merges"][:-5]  # retrained: the last merges differ
+    (mine / "tokenizer.json").write_text(json.dumps(config))
+    line = one_line_error(run_cli([*job, "--max_steps", "4"]))
+    assert "tokenizer" in line and "files changed" in line and "--accept_config_change" in line

@@ -85,6 +85,8 @@ class Trainer(CheckpointedState):
         Returns the train dataset."""
         cfg, ctx = self.cfg, self.ctx
         train_ds, eval_ds = parts.datasets if parts.datasets is not None else build_datasets(cfg)
+        # The tokenizer's files, not only its path: a checkpoint continues only on the token ids it learnt.
+        self.tokenizer_digest = hf.tokenizer_digest(Path(cfg.tokenizer)) if cfg.tokenizer else None
         self.layout = BatchLayout(cfg.batch_size, ctx.world_size, cfg.grad_accum_steps)
         data = build_loaders(cfg, ctx, self.layout, train_ds, eval_ds, parts.collate_fn)
         self.train_loader, self.eval_loader, self.sampler = data.train, data.eval, data.sampler
@@ -537,6 +539,10 @@ class Trainer(CheckpointedState):
                                              continue_line=self.cfg.auto_resume)
         if loaded is not None:
             changes = setting_changes(loaded.manifest["config"], self.cfg)
+            saved_digest = loaded.trainer.get("tokenizer_digest")
+            if saved_digest and self.tokenizer_digest and saved_digest != self.tokenizer_digest:
+                changes.append(f"tokenizer {self.cfg.tokenizer}: its files changed (sha256 {saved_digest[:12]} -> "
+                               f"{self.tokenizer_digest[:12]})")  # the same path, retrained: other token ids
             if changes and not self.cfg.accept_config_change:
                 raise UsageError(changed_settings_error(loaded.path, changes))
             if changes and self.ctx.is_main:

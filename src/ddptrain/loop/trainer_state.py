@@ -46,7 +46,8 @@ class CheckpointedState:
         settled = self._vote.settled
         trainer = {"scheduler": self.scheduler.state_dict(), "scaler": scaler, "log": self.train_log.state_dict(),
                    "stopped": self.stopped, "last_eval": self._last_eval,
-                   "stop_voted": bool(settled and settled[VOTE_FLAGS.index("stop")])}
+                   "stop_voted": bool(settled and settled[VOTE_FLAGS.index("stop")]),
+                   "tokenizer_digest": self.tokenizer_digest}
         if self.frozen:
             trainer["frozen"] = {"names": self.frozen, "fingerprint": self.frozen_fingerprint()}
         position, config = Position(**vars(self.position)), self.cfg.to_dict()

@@ -193,11 +193,16 @@ class TextTokenizer:
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=special)]
 
     def digest(self) -> str:
-        h = hashlib.sha256()
-        for name in TOKENIZER_FILES:
-            if (self.directory / name).is_file():
-                h.update(name.encode() + (self.directory / name).read_bytes())
-        return h.hexdigest()
+        return tokenizer_digest(self.directory)
+
+
+def tokenizer_digest(directory: Path) -> str:
+    """sha256 of a tokenizer directory's files: what the tokenized records (and a checkpoint) depend on."""
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (directory / name).is_file():
+            h.update(name.encode() + (directory / name).read_bytes())
+    return h.hexdigest()
 
 
 def load_tokenizer(directory: str, flag: str = "--tokenizer") -> TextTokenizer:
