@@ -28,10 +28,11 @@ from benchmarks.common import REPO, BenchError, Plan, Row, load_average, render_
 
 
 def plans(names: list[str], size: str, work: Path, with_compile: bool) -> list[tuple[str, Plan]]:
+    from benchmarks.big_model import big_model
     from benchmarks.options import options
     from benchmarks.sections import SECTIONS
 
-    table = {**SECTIONS, "options": lambda size, work: options(size, work, with_compile)}
+    table = {**SECTIONS, "options": lambda size, work: options(size, work, with_compile), "big_model": big_model}
     return [(name, table[name](size, work)) for name in names]
 
 
@@ -40,7 +41,8 @@ def error_rows(name: str, exc: BaseException) -> tuple[list[Row], str]:
     return [Row(name, name, "-", "-", "ERROR", "-", False, message.splitlines()[0])], message
 
 
-ALL = ["overhead", "small_steps", "accumulation", "checkpoint", "data", "startup", "scaling", "sharding", "recompute", "options"]
+ALL = ["overhead", "small_steps", "accumulation", "checkpoint", "data", "startup", "scaling", "sharding", "recompute", "options",
+       "big_model"]
 
 
 def main(argv: list[str] | None = None) -> int:

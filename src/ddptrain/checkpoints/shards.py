@@ -19,15 +19,17 @@ byte range it names lies in a shard file the manifest lists, and every tensor's 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
+import os
 import pickle
 import re
 import warnings
 from concurrent.futures import Future
 from itertools import combinations
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -354,3 +356,103 @@ def failure(exc: BaseException, rank: int) -> str:
             return PEER_FAILED
         exc = own[0] if isinstance(own, tuple) else own  # DCP keeps (exception, its traceback summary)
     return f"{type(exc).__name__}: {exc}"
+
+
+# --- the final weights, streamed ------------------------------------------------------------------
+
+HF_SHARD_BYTES = 2 * 2**30  # one file of RUN_DIR/hf/ holds at most this much (HF's own layout: files + index)
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class SafetensorsStream:
+    """One safetensors file written a tensor at a time, in the order `entries` (name, dtype, shape) declare:
+    the header (every offset known from the shapes) first, then each tensor's bytes as it comes. Written to a
+    temporary name, fsynced and renamed by `close`: readers see no file or the whole one."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
+        header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+        offset = 0
+        for name, dtype, shape in entries:
+            size = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self.path, self.tmp = path, path.with_name(f".{path.name}.tmp")
+        self.order = [name for name, _, _ in entries]
+        self.fh = open(self.tmp, "wb")
+        self.fh.write(len(encoded).to_bytes(8, "little") + encoded)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if not self.order or self.order.pop(0) != name:
+            raise ValueError(f"{self.path}: {name} written out of the declared order")
+        self.fh.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    def close(self) -> None:
+        if self.order:
+            raise ValueError(f"{self.path}: {len(self.order)} declared tensors never written ({self.order[0]}, ...)")
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        os.replace(self.tmp, self.path)
+
+
+def write_streamed(module: nn.Module, path: Path, metadata: dict[str, str], is_main: bool,
+                   hf_dir: Path | None = None) -> None:
+    """The whole model's state_dict into `path` (one safetensors file, every name; a tied tensor under each of
+    its names, as `format.safetensors_bytes` writes it) and, with `hf_dir`, into HF's sharded layout there
+    (`model-0000K-of-0000N.safetensors` + `model.safetensors.index.json`; a tied tensor under its first name,
+    as save_pretrained writes it). Tensors are gathered one at a time and written by rank 0 as they come: no
+    rank holds more than one whole tensor. All ranks."""
+    state = module.state_dict(keep_vars=True)  # the tensors themselves: a tie is one object under two names
+    shapes = {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
+    by_tensor: dict[int, tuple[list[str], torch.Tensor]] = {}  # a tied tensor: gathered once, all its names
+    for name, tensor in state.items():
+        by_tensor.setdefault(id(tensor), ([], tensor))[0].append(name)
+    del state
+    first_names = [names[0] for names, _ in by_tensor.values()]
+    main = hf = None
+    hf_files: dict[str, str] = {}
+    if is_main:
+        main = SafetensorsStream(path, [(n, *shapes[n]) for names, _ in by_tensor.values() for n in names], metadata)
+        if hf_dir is not None:
+            hf_dir.mkdir(parents=True, exist_ok=True)
+            groups, size = [[]], 0
+            for name in first_names:
+                nbytes = math.prod(shapes[name][1]) * shapes[name][0].itemsize
+                if groups[-1] and size + nbytes > HF_SHARD_BYTES:
+                    groups.append([])
+                    size = 0
+                groups[-1].append(name)
+                size += nbytes
+            total = len(groups)
+            files = [f"model-{k + 1:05d}-of-{total:05d}.safetensors" for k in range(total)]
+            hf_files = {name: file for group, file in zip(groups, files) for name in group}
+            index = {"metadata": {"total_size": sum(math.prod(s) * d.itemsize for d, s in
+                                                    (shapes[n] for n in first_names))},
+                     "weight_map": dict(sorted(hf_files.items()))}
+            for stale in hf_dir.glob("model*.safetensors*"):  # an earlier layout's files would shadow the index
+                stale.unlink()
+            hf = {file: SafetensorsStream(hf_dir / file, [(n, *shapes[n]) for n in group], {"format": "pt"})
+                  for group, file in zip(groups, files)}
+    for names, tensor in by_tensor.values():
+        with torch.no_grad():
+            full = (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
+        if main is not None:
+            for name in names:
+                main.write(name, full)
+            if hf is not None:
+                hf[hf_files[names[0]]].write(names[0], full)
+        del full
+    if main is not None:
+        main.close()
+    if hf is not None:
+        for stream in hf.values():
+            stream.close()
+        write_index = hf_dir / "model.safetensors.index.json"
+        tmp = write_index.with_name(f".{write_index.name}.tmp")
+        tmp.write_text(json.dumps(index, indent=2) + "\n")
+        os.replace(tmp, write_index)

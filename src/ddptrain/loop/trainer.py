@@ -114,8 +114,10 @@ class Trainer(CheckpointedState):
             self.autocast = lambda: torch.autocast(device.type, torch.float16 if fp16 else torch.bfloat16)  # noqa: E731
         else:
             self.autocast = contextlib.nullcontext  # a disabled torch.autocast still costs ~3 us per micro-step
-        # Counted before the per-rank RNG streams start: reading a sample may draw augmentation randomness.
-        self.flops_per_sample = perf.task_flops_per_sample(module, self.task, train_ds, device) if ctx.is_main else 0.0
+        # Counted before the per-rank RNG streams start: reading a sample may draw augmentation randomness. A model
+        # built on the meta device (fsdp: filled after sharding) is counted there, on a meta copy of the sample.
+        on = torch.device("meta") if any(p.is_meta for p in module.parameters()) else device
+        self.flops_per_sample = perf.task_flops_per_sample(module, self.task, train_ds, on) if ctx.is_main else 0.0
         self.parallel = build_parallel(module, cfg, ctx)
         self.model = self.parallel.model
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -573,6 +575,18 @@ class Trainer(CheckpointedState):
     def _export_weights(self) -> None:
         """RUN_DIR/model.safetensors, for a transformers model RUN_DIR/hf/ (save_pretrained), with --ema_decay
         RUN_DIR/model_ema.safetensors. All ranks."""
+        if self.parallel.sharded and not self.frozen:  # (LoRA's adapters: below)
+            # Streamed a tensor at a time: no rank gathers the whole model. RUN_DIR/hf/ in HF's sharded layout.
+            step = {"step": str(self.position.step)}
+            hf_dir = self.run_dir / hf.HF_DIR if hf.is_transformers(self.module) else None
+            self.parallel.export(self.run_dir / "model.safetensors", step, hf_dir)
+            if hf_dir is not None and self.ctx.is_main:
+                hf.save_pretrained_files(self.cfg, self.module, hf_dir)
+            if self.ema is not None:
+                with self.ema.swapped_in(self.module):
+                    self.parallel.export(self.run_dir / "model_ema.safetensors",
+                                         {**step, "ema_decay": repr(self.cfg.ema_decay)})
+            return
         state = self.parallel.state_dict()  # sharded: gathered onto rank 0 (a collective)
         if self.ctx.is_main:
             write_atomic(self.run_dir / "model.safetensors",  # under LoRA: the adapters (the rest is the source's)

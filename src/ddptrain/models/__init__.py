@@ -146,12 +146,30 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def build_model(cfg: TrainConfig) -> nn.Module:
-    """The model named by `--model`. Call with the same seed on every rank (DDP also broadcasts rank 0's)."""
+BUILT_IN = ("mini_resnet", "mlp", "gpt")
+
+
+def meta_buildable(cfg: TrainConfig) -> bool:
+    """Whether `--model` is built on the meta device: under fsdp/hsdp, a built-in or a transformers model from a
+    local directory (a config.json, or safetensors weights), whose init or weights parallel/materialize.py
+    fills shard by shard. The rest (plug-ins, hub names, .bin weights, LoRA, SyncBatchNorm, channels_last) is
+    built whole on every rank, then sharded."""
+    if cfg.strategy not in ("fsdp", "hsdp") or cfg.sync_batchnorm or cfg.channels_last or cfg.lora_rank:
+        return False
     if cfg.model.startswith("hf:"):
         from ddptrain.models import hf
 
-        return hf.build_model(cfg)
+        return hf.local_source(cfg) is not None
+    return cfg.model in BUILT_IN
+
+
+def build_model(cfg: TrainConfig, on_meta: bool = False) -> nn.Module:
+    """The model named by `--model`. Call with the same seed on every rank (DDP also broadcasts rank 0's).
+    `on_meta` (under `torch.device("meta")`): a transformers model from its config alone, weights unread."""
+    if cfg.model.startswith("hf:"):
+        from ddptrain.models import hf
+
+        return hf.build_model(cfg, on_meta)
     if ":" in cfg.model:
         model = load_plugin(cfg.model, "--model")(cfg)
         if not isinstance(model, nn.Module):
@@ -172,6 +190,15 @@ def instantiate(cfg: TrainConfig, model: nn.Module | Callable[[TrainConfig], nn.
     """The run's module on `device`: `model` itself, `model(cfg)`, or `--model`'s, built after seeding with
     --seed so that init is identical on every rank; SyncBatchNorm and channels_last as the config asks."""
     torch.manual_seed(cfg.seed)
+    if model is None and meta_buildable(cfg):
+        # Sharded: no tensor of it is allocated until each rank fills its own shards after fully_shard
+        # (parallel/materialize.py replays this seeded init there, per module).
+        from ddptrain.models import meta
+
+        built = meta.build(lambda: build_model(cfg, on_meta=True))
+        if built is not None:
+            return built
+        torch.manual_seed(cfg.seed)
     if model is None:
         model = build_model(cfg)
     elif not isinstance(model, nn.Module):

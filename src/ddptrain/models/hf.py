@@ -88,20 +88,65 @@ def check_model(cfg: TrainConfig) -> None:
     if cfg.task not in ("language_model", "classification"):
         _auto_class(cfg)  # raises the task error
     path = Path(source)
+    if not path.exists() and (source.startswith((".", "/", "~")) or source.count("/") > 1):
+        # A path, not a hub name (ORG/NAME): the Hub's repo-id error would mislead.
+        raise UsageError(f"--model {cfg.model}: no such directory {path}; pass a save_pretrained directory (or one "
+                         "with a model's config.json)")
     if path.exists() and not (path / "config.json").is_file():
         raise UsageError(f"--model {cfg.model}: {path} has no config.json; pass a directory written by "
                          "save_pretrained, or one with a model's config.json")
+    vocab, positions = model_limits(cfg)
+    if positions is not None and cfg.task == "language_model" and cfg.seq_len > positions:
+        raise UsageError(f"--seq_len {cfg.seq_len} is longer than --model {cfg.model}'s {positions} positions "
+                         f"(config.json); pass --seq_len {positions} or less")
+    if vocab is not None and cfg.tokenizer and (Path(cfg.tokenizer) / "tokenizer.json").is_file():
+        tokens = load_tokenizer(cfg.tokenizer).vocab_size
+        if tokens > vocab:
+            raise UsageError(f"--tokenizer {cfg.tokenizer} has {tokens} tokens, more than --model {cfg.model}'s "
+                             f"vocabulary of {vocab} (config.json): its ids would index past the embedding; use the "
+                             "model's own tokenizer, or resize the model's embeddings")
 
 
-def build_model(cfg: TrainConfig) -> nn.Module:
-    """The transformers model `--model hf:...` names, in fp32 and in training mode. Call after seeding."""
+def model_limits(cfg: TrainConfig) -> tuple[int | None, int | None]:
+    """(vocabulary size, positions) in the config.json of a local --model hf:DIR; None where it does not say (a
+    hub name, a model with relative positions only)."""
+    path = Path(cfg.model[len(PREFIX):]) / "config.json"
+    if not path.is_file():
+        return None, None
+    config = json.loads(path.read_text())
+    config = config.get("text_config", config)  # a multimodal model's language part
+    positions = next((config[k] for k in ("max_position_embeddings", "n_positions", "n_ctx")
+                      if isinstance(config.get(k), int)), None)
+    return config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else None, positions
+
+
+def local_source(cfg: TrainConfig) -> Path | None:
+    """The local directory `--model hf:DIR` names if it holds a config.json and no weights or safetensors
+    weights (what a model built on the meta device is filled from); None for a hub name or .bin weights."""
+    path = Path(cfg.model[len(PREFIX):])
+    if not (path / "config.json").is_file():
+        return None
+    if _has_weights(path) and not any(path.glob("*.safetensors")):
+        return None
+    return path
+
+
+def pretrained_dir(cfg: TrainConfig) -> Path | None:
+    """The save_pretrained directory whose safetensors weights `--model` loads, or None (fresh weights)."""
+    path = local_source(cfg)
+    return path if path is not None and any(path.glob("*.safetensors")) else None
+
+
+def build_model(cfg: TrainConfig, on_meta: bool = False) -> nn.Module:
+    """The transformers model `--model hf:...` names, in fp32 and in training mode. Call after seeding.
+    `on_meta`: from the config alone under the caller's meta device: no weight is read or initialised."""
     auto = _auto_class(cfg)
     transformers = require("transformers", f"--model {cfg.model}")
     source = cfg.model[len(PREFIX):]
     path = Path(source)
     labels = {"num_labels": cfg.num_classes} if cfg.task == "classification" else {}
     try:
-        if path.is_dir() and not _has_weights(path):
+        if on_meta or (path.is_dir() and not _has_weights(path)):
             config = transformers.AutoConfig.from_pretrained(path, **labels)
             model = auto.from_config(config, dtype=torch.float32)
         else:  # a directory with weights, or a hub name (downloads where the machine can)
@@ -117,6 +162,16 @@ def build_model(cfg: TrainConfig) -> nn.Module:
 def no_split_modules(module: nn.Module) -> set[str]:
     """The block classes a transformers model says must not be split (its FSDP units)."""
     return set(getattr(module, "_no_split_modules", None) or ())
+
+
+def embedding_units(module: nn.Module) -> list[nn.Module]:
+    """The input embedding and output head as FSDP units of their own when they are not tied (a tied pair must
+    stay in one unit: the root). Vocabulary-sized, they would otherwise make the root unit the largest:
+    gathered whole with its gradients and reduce buffers, a Llama's root unit is 4x its 41 % of the model."""
+    inputs, outputs = module.get_input_embeddings(), module.get_output_embeddings()
+    if outputs is not None and getattr(outputs, "weight", None) is getattr(inputs, "weight", None):
+        return []
+    return [unit for unit in (inputs, outputs) if isinstance(unit, nn.Module)]
 
 
 def enable_activation_checkpointing(module: nn.Module) -> bool:
@@ -138,11 +193,27 @@ def save_pretrained(cfg: TrainConfig, state: dict[str, torch.Tensor], out_dir: P
         state = None
     out_dir.mkdir(parents=True, exist_ok=True)
     module.save_pretrained(out_dir, state_dict=state)
+    copy_tokenizer(cfg, out_dir)
+    return out_dir
+
+
+def copy_tokenizer(cfg: TrainConfig, out_dir: Path) -> None:
+    """The tokenizer's files beside the weights, if --tokenizer named one."""
     if cfg.tokenizer:
         for name in TOKENIZER_FILES:
             if (Path(cfg.tokenizer) / name).is_file():
                 shutil.copyfile(Path(cfg.tokenizer) / name, out_dir / name)
-    return out_dir
+
+
+def save_pretrained_files(cfg: TrainConfig, module: nn.Module, out_dir: Path) -> None:
+    """What save_pretrained writes besides the weights (config, generation config) and the tokenizer's files:
+    with weights written in HF's layout beside them, `from_pretrained(out_dir)` loads the model."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    module.config.save_pretrained(out_dir)
+    generation = getattr(module, "generation_config", None)
+    if generation is not None and module.can_generate():
+        generation.save_pretrained(out_dir)
+    copy_tokenizer(cfg, out_dir)
 
 
 def _skeleton(cfg: TrainConfig, run_config: Path | None) -> nn.Module:

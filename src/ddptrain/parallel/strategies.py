@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +23,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddptrain.config import TrainConfig, load_plugin
 from ddptrain.errors import TrainingError, UsageError
+from ddptrain.models import hf
+from ddptrain.parallel import materialize
 from ddptrain.parallel.distributed import DistributedContext
 
 log = logging.getLogger("ddptrain")
@@ -136,6 +139,11 @@ class ShardedParallel:
         for block in blocks:
             fully_shard(block, mesh=self.mesh, mp_policy=policy)
         fully_shard(module, mesh=self.mesh, mp_policy=policy)
+        if materialize.is_meta(module):  # built on the meta device (models.meta_buildable): each rank fills its shards
+            source = hf.pretrained_dir(cfg) if hf.is_hf(cfg.model) else None
+            materialize.materialize(module, ctx.device, cfg.seed, source)
+            log.info("%s: built on the meta device, each rank's shards filled from %s", cfg.strategy,
+                     source or f"the init of seed {cfg.seed}")
         self.units = len(blocks) + 1
         self.model: nn.Module = torch.compile(module) if cfg.compile else module
         log.debug("%s over mesh %s: %d units", cfg.strategy, tuple(shape), self.units)
@@ -162,6 +170,13 @@ class ShardedParallel:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def export(self, path: Path, metadata: dict[str, str], hf_dir: Path | None = None) -> None:
+        """The whole model's weights into `path` (and HF's sharded layout into `hf_dir`), gathered one tensor at
+        a time and written by rank 0 as they come: no rank holds the whole model. All ranks."""
+        from ddptrain.checkpoints import shards
+
+        shards.write_streamed(self.module, path, metadata, self.ctx.is_main, hf_dir)
 
     def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return _memory(self.module, optimizer)
@@ -239,8 +254,6 @@ def recompute_blocks(module: nn.Module, spec: str) -> None:
     backward (torch.utils.checkpoint, non-reentrant, RNG state preserved: dropout draws the same twice). The
     blocks are the FSDP units (`fsdp_blocks`); a transformers model uses its own gradient checkpointing.
     Applied before DDP or FSDP wraps the model, and without renaming a parameter (checkpoints stay the same)."""
-    from ddptrain.models import hf
-
     if hf.enable_activation_checkpointing(module):
         return
     blocks = fsdp_blocks(module, spec)
@@ -264,7 +277,8 @@ def fsdp_blocks(module: nn.Module, spec: str) -> list[nn.Module]:
 
     `spec` is --fsdp_blocks: class names ("Block,Expert"), or 'pkg.mod:fn' with fn(model) -> modules. Empty:
     the model's own `fsdp_blocks` (classes, or a method returning the modules), else a transformers model's
-    `_no_split_modules` (the block classes it says must stay whole).
+    `_no_split_modules` (the block classes it says must stay whole) and its untied input and output
+    embeddings (hf.embedding_units).
     """
     if ":" in spec:
         chosen = list(load_plugin(spec, "--fsdp_blocks")(module))
@@ -273,6 +287,9 @@ def fsdp_blocks(module: nn.Module, spec: str) -> list[nn.Module]:
         declared = getattr(module, "fsdp_blocks", ())
         if not names and not declared:
             names = set(getattr(module, "_no_split_modules", None) or ())
+            if hf.is_transformers(module):
+                blocks = [m for m in module.modules() if type(m).__name__ in names]
+                return _outermost(blocks + hf.embedding_units(module))
         if callable(declared) and not names:
             chosen = list(declared())
         else:
@@ -282,6 +299,10 @@ def fsdp_blocks(module: nn.Module, spec: str) -> list[nn.Module]:
                 present = sorted({type(m).__name__ for m in module.modules()})
                 raise UsageError(f"--fsdp_blocks {spec}: the model has no module of that class; it has "
                                  f"{', '.join(present)}")
+    return _outermost(chosen)
+
+
+def _outermost(chosen: list[nn.Module]) -> list[nn.Module]:
     inside = {id(sub) for block in chosen for sub in block.modules() if sub is not block}
     return [block for block in chosen if id(block) not in inside]
 

@@ -9,6 +9,10 @@ CHECKPOINT_DIR may also be a run dir or its checkpoints/ dir: the newest committ
 
 `--hf OUT_DIR` (a run of a transformers model, `--model hf:...`) writes the save_pretrained layout instead of,
 or as well as, OUT.safetensors: `AutoModelFor...from_pretrained(OUT_DIR)` loads the checkpoint's model.
+
+CHECKPOINT_DIR may also be a save_pretrained directory in HF's sharded layout (`model.safetensors.index.json`
+and its files: RUN_DIR/hf/ of a --strategy fsdp run, written shard by shard): it is consolidated into
+OUT.safetensors and/or, with --hf, a save_pretrained directory with one model.safetensors.
 """
 
 from __future__ import annotations
@@ -33,13 +37,15 @@ from ddptrain.cliargs import ArgParser
 from ddptrain.errors import UsageError
 
 FORMAT = "ddptrain-export/1"
+INDEX = "model.safetensors.index.json"  # HF's sharded layout (RUN_DIR/hf/ of a --strategy fsdp run)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = ArgParser(prog="ddptrain export",
                        description="Verify a checkpoint and write its weights as OUT.safetensors plus OUT.json "
                                    "(the config).")
-    parser.add_argument("checkpoint", help="a committed checkpoints/step-N dir (or a run dir: its newest)")
+    parser.add_argument("checkpoint", help="a committed checkpoints/step-N dir (or a run dir: its newest), or a save_pretrained dir "
+                             "in HF's sharded layout (RUN_DIR/hf of an fsdp run)")
     parser.add_argument("out", nargs="?", default="",
                         help="the .safetensors file to write; the config goes next to it as .json")
     parser.add_argument("--hf", default="", metavar="OUT_DIR",
@@ -76,6 +82,8 @@ def main(argv: list[str]) -> int:
     if args.out and out.suffix != ".safetensors":
         raise UsageError(f"{out}: the output file must end in .safetensors (the config is written next to it "
                          "as .json)")
+    if (Path(args.checkpoint) / INDEX).is_file():
+        return consolidate_pretrained(Path(args.checkpoint), out if args.out else None, Path(args.hf) if args.hf else None)
     checkpoint = find_checkpoint(Path(args.checkpoint))
     try:
         loaded = read_checkpoint(checkpoint, torch.device("cpu"))
@@ -158,3 +166,39 @@ def export_hf(config: dict, weights: dict[str, torch.Tensor], checkpoint: Path, 
                          f"has no {hf.HF_DIR}/config.json); export it as OUT.safetensors")
     hf.save_pretrained(cfg, weights, out_dir, source_config=run_hf_dir)
     print(f"exported {checkpoint.name} of {cfg.model} to {out_dir} (save_pretrained layout)")
+
+
+def consolidate_pretrained(directory: Path, out: Path | None, hf_dir: Path | None) -> int:
+    """A save_pretrained directory in HF's sharded layout (files + index, as an fsdp run writes RUN_DIR/hf/)
+    as one file: OUT.safetensors, and/or with --hf the same layout with a single model.safetensors (its config,
+    generation config and tokenizer files copied). Whole in this one process: run it where the memory is."""
+    import shutil
+
+    from safetensors import safe_open
+
+    try:
+        weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+        weights: dict[str, torch.Tensor] = {}
+        for file in sorted(set(weight_map.values())):
+            with safe_open(directory / file, framework="pt") as fh:
+                weights.update({name: fh.get_tensor(name) for name in fh.keys()})
+    except (OSError, KeyError, ValueError) as exc:
+        raise UsageError(f"{directory}: unreadable {INDEX} or weight files ({exc})") from None
+    if set(weights) != set(weight_map):
+        raise UsageError(f"{directory}: the files hold other tensors than {INDEX} names; pass a complete directory")
+    data = safetensors_bytes(weights, metadata={"format": "pt"})
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out, data)
+    if hf_dir is not None:
+        hf_dir.mkdir(parents=True, exist_ok=True)
+        for extra in directory.iterdir():
+            if extra.is_file() and not extra.name.startswith("model") and extra.suffix == ".json":
+                shutil.copyfile(extra, hf_dir / extra.name)
+        for stale in hf_dir.glob("model*.safetensors*"):
+            stale.unlink()
+        write_atomic(hf_dir / "model.safetensors", data)
+    size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 2**20
+    print(f"consolidated {len(weights)} tensors ({size_mb:.1f} MiB) of {directory} into "
+          f"{' and '.join(str(p) for p in (out, hf_dir) if p is not None)}")
+    return 0

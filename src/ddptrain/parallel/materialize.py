@@ -1,0 +1,147 @@
+"""Filling a model built on the meta device after FSDP2 sharded it: each rank writes its own shards, and no
+rank ever holds the whole model (DESIGN.md, "Big models"). No collective: each rank computes or reads its own part.
+
+Two sources:
+
+- the seeded init: `models.meta.replay` runs the construction's recorded init again on full-size CPU tensors,
+  one tensor (or, for transformers' post_init, one module) at a time, so the global RNG makes the draws the
+  whole build makes; each rank keeps its rows and drops the rest. Bitwise equal to the whole build.
+- a `save_pretrained` directory (`fill_from_pretrained`): each rank reads only the rows of each tensor that
+  its shard covers (`safe_open(...).get_slice(name)[rows]`), from one file or the files an
+  `model.safetensors.index.json` names; a tied tensor is read once. What the files lack (non-persistent
+  buffers such as rotary frequencies, a new classification head) is initialised as from_pretrained does.
+
+The whole-model path stays for what cannot be replayed this way (a plug-in `pkg.mod:fn` model, a hub name,
+.bin weights): see `models.meta_buildable`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddptrain.models import meta
+
+log = logging.getLogger("ddptrain")
+
+
+def is_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+def materialize(module: nn.Module, device: torch.device, seed: int, source: Path | None) -> None:
+    """`to_empty` on `device`, then every rank's shards filled from `source` (a save_pretrained directory)
+    or from the init seeded with `seed`. Needs no collective: each rank computes or reads its own part."""
+    to_empty(module, device)
+    put = _put_local_part
+    if source is not None:
+        fill_from_pretrained(module, source, put)
+    else:
+        torch.manual_seed(seed)  # as `models.instantiate` seeds the whole-model build
+        meta.replay(module, put)
+
+
+def to_empty(module: nn.Module, device: torch.device) -> None:
+    """`module.to_empty(device)`, ties kept: nn.Module's gives each holder of a tied tensor its own copy."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((sub, name))
+    module.to_empty(device=device)
+    for tied in holders.values():
+        (first, first_name), *others = tied
+        for sub, name in others:
+            if sub._parameters[name] is not first._parameters[first_name]:
+                sub._parameters[name] = first._parameters[first_name]
+
+
+# --- where a rank's part lies ------------------------------------------------------------------------
+
+def shard_rows(tensor: torch.Tensor) -> slice:
+    """The rows (dim 0) of a full tensor this rank's part of `tensor` holds: FSDP2's Shard(0) is torch.chunk
+    of dim 0 over the mesh's shard dimension (replicated across hsdp's other one); a plain tensor is whole."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return slice(None)
+    start, stop = 0, tensor.shape[0]
+    for dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard):
+            if placement.dim != 0:
+                raise ValueError(f"sharded on dim {placement.dim}: only FSDP2's dim-0 shards are filled here")
+            size, index = tensor.device_mesh.size(dim), tensor.device_mesh.get_local_rank(dim)
+            chunk = -(-(stop - start) // size)  # torch.chunk's: ceil, the last chunks short or empty
+            start, stop = min(start + index * chunk, stop), min(start + (index + 1) * chunk, stop)
+    return slice(start, stop)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@torch.no_grad()
+def _put_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
+    _local(target).copy_(full[shard_rows(target)] if full.dim() else full)
+
+
+# --- from a save_pretrained directory ----------------------------------------------------------------
+
+def weight_files(directory: Path) -> dict[str, Path] | None:
+    """Tensor name -> the safetensors file holding it, for a save_pretrained directory (one file, or the
+    files its index names); None where it has no safetensors weights."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        return None
+    with safe_open(single, framework="pt") as fh:
+        return {name: single for name in fh.keys()}
+
+
+@torch.no_grad()
+def fill_from_pretrained(model: nn.Module, directory: Path, put: meta.Put) -> None:
+    """Each rank reads the rows of each tensor its shards hold; then transformers' init of what the files
+    lack (as from_pretrained does: modules whose tensors were all read are skipped)."""
+    from safetensors import safe_open
+
+    files = weight_files(directory) or {}
+    read: set[int] = set()
+    handles: dict[Path, Any] = {}
+    try:
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name not in files or id(tensor) in read:
+                continue
+            path = files[name]
+            if path not in handles:
+                handles[path] = safe_open(path, framework="pt")
+            part = handles[path].get_slice(name)
+            rows = shard_rows(tensor)
+            value = part[rows] if len(part.get_shape()) else part[:]
+            _local(tensor).copy_(value.to(tensor.dtype))
+            read.add(id(tensor))
+    finally:
+        handles.clear()  # safe_open's handles close when dropped
+    missing = [n for n, t in model.named_parameters() if id(t) not in read]
+    if missing:
+        log.warning("%s holds no %s: initialised fresh, as from_pretrained does", directory, ", ".join(missing))
+    # from_pretrained marks what it read as initialised: transformers' guarded init skips it.
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in read:
+            tensor._is_hf_initialized = True
+    pending = {id(sub) for sub in model.modules()
+               if any(t is not None and id(t) not in read for t in [*sub._parameters.values(), *sub._buffers.values()])}
+    meta.post_init(model, lambda sub: id(sub) in pending, put, keep=lambda tensor: id(tensor) not in read)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if hasattr(tensor, "_is_hf_initialized"):
+            del tensor._is_hf_initialized
+

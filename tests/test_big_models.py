@@ -1,0 +1,142 @@
+"""Big models under --strategy fsdp: no rank ever holds the whole model. The model is built on the meta device,
+sharded, and each rank fills its own shards (the seeded init replayed a tensor at a time, or its rows read
+from a save_pretrained directory); the final weights leave streamed a tensor at a time, RUN_DIR/hf/ in HF's
+sharded layout. Real processes, gloo on CPU, tiny models (the memory it saves is measured by `make bench`,
+section big_model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, assert_bitwise_equal, assert_close_weights, run_cli, run_python, train, weights
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+LM = ["--task", "language_model", "--dataset", "lm_plugins:masked_lm", "--vocab_size", str(VOCAB), "--seq_len", "24",
+      "--dataset_size", "128", "--eval_size", "24", "--lr", "0.1", "--weight_decay", "0", "--momentum", "0",
+      "--save_every", "0", "--batch_size", "8"]
+STEPS_50 = ["--epochs", "7", "--max_steps", "50"]  # 8 steps of 2 x 8 sequences per epoch
+FSDP = ["--strategy", "fsdp"]
+BUILT_ON_META = "built on the meta device"
+
+
+def llama_config() -> "transformers.LlamaConfig":
+    return transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=VOCAB, bos_token_id=VOCAB - 1,
+                                    eos_token_id=VOCAB - 1)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    """A Llama and a GPT-2 (tied embeddings) as a config alone and with weights; the Llama's weights in
+    HF's sharded layout (several files and an index)."""
+    root = tmp_path_factory.mktemp("models")
+    gpt2 = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+                                   bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    llama_config().save_pretrained(root / "llama_config")
+    gpt2.save_pretrained(root / "gpt2_config")
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(llama_config()).save_pretrained(root / "llama_index", max_shard_size="20KB")
+    assert (root / "llama_index" / "model.safetensors.index.json").is_file()
+    torch.manual_seed(2)
+    transformers.GPT2LMHeadModel(gpt2).save_pretrained(root / "gpt2_weights")
+    return root
+
+
+def test_fsdp_builds_on_meta_and_each_rank_fills_its_shards_with_the_whole_builds_values_bitwise(models, tmp_path):
+    """Built-ins and transformers models, from a seeded init or from weights (one file, or several and an
+    index; tied; a classification head the file lacks): gathered, every tensor equals the whole build's."""
+    report_path = tmp_path / "report.json"
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       str(REPO / "tests" / "worker_meta_init.py"), str(report_path), str(models)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    save = report.pop("save")
+    assert len(report) == 8
+    for case, found in report.items():
+        assert found == {"meta": True, "differ": []}, case
+    assert save["files"] == ["config.json", "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                             "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
+    assert save["equal"], "from_pretrained of the streamed save is the model"
+
+
+@pytest.fixture(scope="module")
+def llama_ddp(models, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("llama_ddp")
+    train(run_dir, "--model", f"hf:{models / 'llama_index'}", *LM, *STEPS_50, nproc=2, timeout=400)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def llama_fsdp(models, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("llama_fsdp")
+    train(run_dir, "--model", f"hf:{models / 'llama_index'}", *LM, *STEPS_50, *FSDP, nproc=2, timeout=400)
+    return run_dir
+
+
+def test_a_llama_loaded_from_weights_on_fsdp_trains_what_ddp_trains(llama_ddp, llama_fsdp):
+    assert BUILT_ON_META in (llama_fsdp / "logs" / "rank-0.log").read_text()
+    assert_close_weights(weights(llama_ddp / "model.safetensors"), weights(llama_fsdp / "model.safetensors"),
+                         rel=1e-5)
+
+
+def test_a_built_in_gpt_on_fsdp_trains_what_ddp_trains(tmp_path):
+    gpt = ["--model", "gpt", "--width", "32", "--num_layers", "2", "--num_heads", "2", *LM, *STEPS_50]
+    train(tmp_path / "ddp", *gpt, nproc=2, timeout=400)
+    train(tmp_path / "fsdp", *gpt, *FSDP, nproc=2, timeout=400)
+    assert BUILT_ON_META in (tmp_path / "fsdp" / "logs" / "rank-0.log").read_text()
+    assert_close_weights(weights(tmp_path / "ddp" / "model.safetensors"),
+                         weights(tmp_path / "fsdp" / "model.safetensors"), rel=1e-5)
+
+
+def first_call_settled() -> None:
+    """See tests/test_hf.py: a process's first multi-threaded tanh may differ by 1e-5; compare later calls."""
+    torch.tanh(torch.linspace(-3, 3, 8192))
+
+
+def test_the_streamed_final_save_loads_with_from_pretrained_and_export_consolidates_it(llama_fsdp, tmp_path):
+    first_call_settled()
+    hf_dir = llama_fsdp / "hf"
+    assert (hf_dir / "model.safetensors.index.json").is_file() and not (hf_dir / "model.safetensors").exists()
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    trained = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(hf_dir)).eval()
+    trained.load_state_dict(weights(llama_fsdp / "model.safetensors"))
+    expected = trained(input_ids=tokens).logits
+    out = tmp_path / "whole"
+    proc = run_cli(["export", str(hf_dir), str(tmp_path / "whole.safetensors"), "--hf", str(out)])
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
+    assert_bitwise_equal(weights(tmp_path / "whole.safetensors"), weights(out / "model.safetensors"))
+    for directory in (hf_dir, out):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+        assert_bitwise_equal(loaded.state_dict(), trained.state_dict())
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, expected, rtol=0, atol=0)
+
+
+def test_a_killed_fsdp_run_of_a_model_built_on_meta_restarts_and_ends_bitwise(models, tmp_path):
+    job = ["--model", f"hf:{models / 'llama_index'}", *LM, "--epochs", "2", *FSDP, "--save_every_steps", "2",
+           "--keep_last", "0"]
+    train(tmp_path / "straight", *job, nproc=2, timeout=400)
+    train(tmp_path / "killed", *job, "--max_restarts", "1", nproc=2, timeout=400,
+          env={"DDPTRAIN_FAULT": "rank=1,step=5,kind=sigkill"})
+    assert "resuming from" in (tmp_path / "killed" / "logs" / "rank-0.log").read_text()
+    assert_bitwise_equal(weights(tmp_path / "straight" / "model.safetensors"),
+                         weights(tmp_path / "killed" / "model.safetensors"))
+
+
+def test_a_sharded_checkpoint_of_two_ranks_resumes_on_one(models, tmp_path):
+    """World size 2 -> 1 with the same global batch: the resumed run ends where the 2-rank run ends."""
+    job = ["--model", f"hf:{models / 'llama_index'}", *LM, "--epochs", "1", *FSDP, "--save_every_steps", "4",
+           "--keep_last", "0"]
+    train(tmp_path / "two", *job, nproc=2, timeout=400)
+    step_4 = tmp_path / "two" / "checkpoints" / "step-4"
+    assert (step_4 / "manifest.json").is_file()
+    train(tmp_path / "one", *job, "--batch_size", "16", "--resume_from", str(step_4), "--accept_config_change",
+          nproc=1, timeout=400)
+    assert "resuming from" in (tmp_path / "one" / "logs" / "rank-0.log").read_text()
+    assert_close_weights(weights(tmp_path / "two" / "model.safetensors"),
+                         weights(tmp_path / "one" / "model.safetensors"), rel=1e-5)
