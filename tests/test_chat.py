@@ -192,3 +192,48 @@ def test_a_tokenizer_retrained_in_the_same_directory_is_refused_on_resume(tokeni
     (mine / "tokenizer.json").write_text(json.dumps(config))
     line = one_line_error(run_cli([*job, "--max_steps", "4"]))
     assert "tokenizer" in line and "files changed" in line and "--accept_config_change" in line
+
+
+def llama_config(directory: Path, vocab: int, positions: int = 128) -> Path:
+    transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=positions
+                             ).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("case", ["vocab", "positions", "typo", "tokens-vocab"])
+def test_a_model_that_cannot_hold_the_data_is_one_line_before_training(case, tokenizer_dir, chats, tmp_path):
+    """A tokenizer of 320 tokens on a model of 64, --seq_len past the model's positions, a mistyped local path
+    (not the Hub's repo-id error), token files of 320 tokens on a model of 64 (its own vocabulary, not the
+    gpt-only --vocab_size): each exit 2, one line naming both numbers (or the path)."""
+    small = llama_config(tmp_path / "small", vocab=64, positions=32)
+    data = ["--dataset", f"hf:{chats}", "--tokenizer", str(tokenizer_dir)]
+    args = {"vocab": ["--model", f"hf:{small}", *data, "--seq_len", "32"],
+            "positions": ["--model", f"hf:{llama_config(tmp_path / 'wide', vocab=512, positions=32)}", *data,
+                          "--seq_len", "64"],
+            "typo": ["--model", f"hf:{tmp_path}/no/such/model", *data],
+            "tokens-vocab": ["--model", f"hf:{small}", "--dataset", "tokens", "--data_dir", str(tmp_path / "tokens"),
+                             "--seq_len", "16"]}[case]
+    if case == "tokens-vocab":
+        text = tmp_path / "text.txt"
+        text.write_text(" ".join(words(300)))
+        assert run_cli(["prepare-text", str(tmp_path / "tokens"), str(text), "--tokenizer",
+                        str(tokenizer_dir)]).returncode == 0
+    line = one_line_error(run_cli(["train", "--run_dir", str(tmp_path / "run"), "--task", "language_model", *args,
+                                   "--no-progress", "--num_workers", "0"]))
+    expected = {"vocab": ["320 tokens", "64"], "positions": ["--seq_len 64", "32 positions"],
+                "typo": ["no such directory"], "tokens-vocab": ["320 tokens", "64", "--model"]}[case]
+    assert all(part in line for part in expected), line
+    assert "--vocab_size" not in line
+
+
+def test_token_files_train_an_hf_model_without_the_gpt_only_vocab_size(tokenizer_dir, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(words(400)))
+    assert run_cli(["prepare-text", str(tmp_path / "tokens"), str(text), "--tokenizer", str(tokenizer_dir)]
+                   ).returncode == 0
+    model = llama_config(tmp_path / "llama", vocab=320, positions=32)
+    proc = run_cli(["train", "--run_dir", str(tmp_path / "run"), "--task", "language_model", "--model", f"hf:{model}",
+                    "--dataset", "tokens", "--data_dir", str(tmp_path / "tokens"), "--seq_len", "16", "--max_steps",
+                    "2", "--batch_size", "4", "--no-progress", "--num_workers", "0"])
+    assert proc.returncode == 0, proc.stderr

@@ -90,6 +90,15 @@ def read_meta(data_dir: str) -> dict:
 def check(cfg: TrainConfig) -> None:
     """Config against the token source: the vocabulary must hold every token id."""
     vocab = 256 if cfg.dataset == "pydoc" else read_meta(cfg.data_dir)["vocab_size"]
+    if cfg.model.startswith("hf:"):  # the model's own vocabulary, not the gpt-only --vocab_size
+        from ddptrain.models import hf
+
+        model_vocab, _ = hf.model_limits(cfg)
+        if model_vocab is not None and model_vocab < vocab:
+            raise UsageError(f"--dataset {cfg.dataset}'s vocabulary of {vocab} tokens is larger than --model "
+                             f"{cfg.model}'s {model_vocab}: its ids would index past the embedding; tokenize with "
+                             "the model's own tokenizer")
+        return
     if cfg.vocab_size < vocab:
         raise UsageError(f"--vocab_size {cfg.vocab_size} is smaller than --dataset {cfg.dataset}'s vocabulary of "
                          f"{vocab} tokens; pass --vocab_size {vocab}")
