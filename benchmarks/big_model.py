@@ -71,7 +71,7 @@ def big_model(size: str, work: Path) -> Plan:
         ratios = [(b - a) * 2**20 / model_bytes for a, b in zip(base, big)]
         worst = max(ratios)
         per_rank = ", ".join(f"rank {r} {b - a:.0f} MiB ({x:.2f}x)" for r, (a, b, x) in enumerate(zip(base, big, ratios)))
-        note = (f"Llama of {model_bytes / 4e6:.0f}M parameters ({model_bytes / 2**20:.0f} MiB fp32) from "
+        note = (f"Llama of {model_bytes / 4e6:.1f}M parameters ({model_bytes / 2**20:.0f} MiB fp32) from "
                 f"save_pretrained, --strategy fsdp on {nproc} ranks, 2 steps of SGD, final save included: peak RSS "
                 f"above a tiny Llama's run: {per_rank}.")
         if worst > TARGET:
