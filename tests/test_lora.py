@@ -78,12 +78,13 @@ def test_lora_on_two_processes_trains_the_adapters_one_process_trains_and_loads_
                                                                       "q_proj", "up_proj", "v_proj"]
 
 
-def test_a_checkpoint_holds_the_adapters_only_and_a_killed_lora_run_ends_bitwise(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_checkpoint_holds_the_adapters_only_and_a_killed_lora_run_ends_bitwise(tmp_path, strategy):
     """Rank 8 on a Llama of width 256 (1.3M parameters): a checkpoint, trainer state and all, is at most 10 % of
     the model's weights on disk. With dropout in the adapters, killed and restarted, the run ends bitwise."""
     base = llama(tmp_path / "wide", width=256)
     job = ["--model", f"hf:{base}", *LM, "--lora_rank", "8", "--lora_dropout", "0.1", "--batch_size", "8",
-           "--save_every_steps", "2", "--keep_last", "0"]
+           "--save_every_steps", "2", "--keep_last", "0", "--strategy", strategy]
     train(tmp_path / "straight", *job, nproc=2, timeout=300)
     proc = train(tmp_path / "killed", *job, "--max_restarts", "1", nproc=2, timeout=400,
                  env={"DDPTRAIN_FAULT": "rank=1,step=5,kind=sigkill"})
@@ -136,3 +137,24 @@ def test_export_merge_writes_the_base_with_the_adapters_merged_for_from_pretrain
         assert torch.allclose(merged(ids).logits, expected, rtol=1e-4, atol=1e-5)
         assert not torch.allclose(transformers.LlamaForCausalLM.from_pretrained(base).eval()(ids).logits, expected,
                                   rtol=1e-4, atol=1e-5), "the adapters changed the model"
+
+
+def test_lora_under_fsdp_trains_what_one_process_trains_and_resumes_on_another_world_size(base, whole, tmp_path):
+    """FSDP2 over a frozen base: 2 processes equal 1 (1e-5); the sharded checkpoint holds the adapters only (no
+    frozen tensor in its index), and a 1-process ddp run continues it from step 2 (the fingerprint of the frozen
+    weights summed over the shards matches the whole tensors')."""
+    job = ["--model", f"hf:{base}", *LM, *LORA, "--save_every_steps", "2", "--keep_last", "0"]
+    train(tmp_path / "two", *job, "--batch_size", "8", "--grad_accum_steps", "2", "--strategy", "fsdp", nproc=2,
+          timeout=300)
+    assert_close_weights(weights(whole / "model.safetensors"), weights(tmp_path / "two" / "model.safetensors"),
+                         rel=1e-5)
+    step_2 = tmp_path / "two" / "checkpoints" / "step-2"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    held = FileSystemReader(str(step_2 / "shards")).read_metadata().state_dict_metadata
+    assert any(".lora_A." in k for k in held) and not any(".base_layer." in k for k in held), sorted(held)[:5]
+    proc = train(tmp_path / "one", *job, "--batch_size", "32", "--resume_from", str(step_2), timeout=300)
+    assert proc.returncode == 0
+    assert "resuming from" in (tmp_path / "one" / "logs" / "rank-0.log").read_text()
+    assert_close_weights(weights(whole / "model.safetensors"), weights(tmp_path / "one" / "model.safetensors"),
+                         rel=1e-5)

@@ -328,9 +328,6 @@ class TrainConfig:
         _check_inject_fault(self.inject_fault)
         if self.max_time:
             parse_duration(self.max_time, "--max_time")
-        if self.lora_rank and self.strategy != "ddp":
-            raise UsageError(f"--lora_rank with --strategy {self.strategy}: LoRA adapters train under ddp for now "
-                             "(a frozen base sharded by FSDP is not supported yet); use --strategy ddp")
         if self.lora_dropout >= 1.0:
             raise UsageError(f"--lora_dropout {self.lora_dropout}: must be below 1 (0 = no dropout)")
         if (self.lora_targets or self.lora_dropout) and not self.lora_rank:

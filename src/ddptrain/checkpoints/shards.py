@@ -29,7 +29,7 @@ import warnings
 from concurrent.futures import Future
 from itertools import combinations
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 import torch.distributed as dist
@@ -242,10 +242,11 @@ class _TensorsOnlyPlanner(DefaultLoadPlanner):
 
 # --- saving -------------------------------------------------------------------------------------
 
-def state_to_save(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[Any]]:
-    """(what the shards hold, the optimizer's param_groups for trainer.pt). Sharded tensors stay sharded.
-    All ranks."""
-    model = get_model_state_dict(module)
+def state_to_save(module: nn.Module, optimizer: torch.optim.Optimizer,
+                  leave_out: Collection[str] = ()) -> tuple[dict[str, Any], list[Any]]:
+    """(what the shards hold, the optimizer's param_groups for trainer.pt), less the model tensors named in
+    `leave_out` (LoRA's frozen weights). Sharded tensors stay sharded. All ranks."""
+    model = {name: value for name, value in get_model_state_dict(module).items() if name not in leave_out}
     if not optimizer.state:  # no update yet: DCP's helper would take a zero-gradient step to create state
         return {"model": model}, []
     optim = get_optimizer_state_dict(module, optimizer)
@@ -296,8 +297,9 @@ def own_files(target: Path, rank: int) -> dict[str, dict[str, Any]]:
 # --- loading ------------------------------------------------------------------------------------
 
 def load_into(module: nn.Module, optimizer: torch.optim.Optimizer, loaded: Loaded,
-              group: dist.ProcessGroup | None) -> None:
-    """Put a checkpoint's model and optimizer state into this run's where DCP is needed. All ranks.
+              group: dist.ProcessGroup | None, leave_out: Collection[str] = ()) -> None:
+    """Put a checkpoint's model and optimizer state into this run's where DCP is needed; the model tensors
+    named in `leave_out` (LoRA's frozen weights, which it does not hold) keep what they are. All ranks.
 
     full -> fsdp: every rank shards the whole tensors it read. sharded -> any: DCP reads, for each rank,
     exactly the slices its own tensors cover (resharding to any world size; a ddp rank's tensors are whole).
@@ -307,19 +309,20 @@ def load_into(module: nn.Module, optimizer: torch.optim.Optimizer, loaded: Loade
         whole = StateDictOptions(full_state_dict=True)
         # Each tensor is a scatter from rank 0, so every rank must go in the same order: the module's (a
         # safetensors file's dict comes in an order of its own in each process).
-        set_model_state_dict(module, {name: loaded.model[name] for name in module.state_dict()}, options=whole)
+        kept = {name: loaded.model[name] for name in module.state_dict() if name not in leave_out}
+        set_model_state_dict(module, kept, options=StateDictOptions(full_state_dict=True, strict=not leave_out))
         if loaded.optimizer["state"]:
             set_optimizer_state_dict(module, optimizer, _keyed_by_name(module, optimizer, loaded.optimizer),
                                      options=whole)
         return
     has_optimizer = any(key.startswith("optim.") for key in loaded.shards.state_dict_metadata)
-    model_state = get_model_state_dict(module)
+    model_state = {name: value for name, value in get_model_state_dict(module).items() if name not in leave_out}
     state: dict[str, Any] = {"model": model_state}
     if has_optimizer:
         state["optim"] = {"state": get_optimizer_state_dict(module, optimizer)["state"]}
     dcp.load(state, storage_reader=_VerifiedReader(loaded.path / SHARDS, loaded.shards),
              planner=_TensorsOnlyPlanner(), process_group=group)
-    set_model_state_dict(module, model_state)
+    set_model_state_dict(module, model_state, options=StateDictOptions(strict=not leave_out))
     if has_optimizer:
         set_optimizer_state_dict(module, optimizer, {"state": state["optim"]["state"],
                                                      "param_groups": loaded.trainer["param_groups"]})

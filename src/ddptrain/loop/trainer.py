@@ -536,6 +536,8 @@ class Trainer(CheckpointedState):
         if self.ctx.is_main:
             (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
         loaded = None
+        if self.frozen:
+            self.frozen_fingerprint()  # now, on every rank (sharded: a collective), not inside a later save
         if self.cfg.resume_from or self.cfg.auto_resume:
             loaded = self.checkpoints.resume(self.cfg.resume_from, self.checkpointed(self.module.state_dict()),
                                              continue_line=self.cfg.auto_resume)

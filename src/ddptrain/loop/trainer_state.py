@@ -54,7 +54,7 @@ class CheckpointedState:
         if self.parallel.sharded:
             from ddptrain.checkpoints import shards  # DCP: imported by sharded runs only (~1 s of CPU)
 
-            state, trainer["param_groups"] = shards.state_to_save(self.module, self.optimizer)
+            state, trainer["param_groups"] = shards.state_to_save(self.module, self.optimizer, self.frozen)
             return Snapshot(position, None, None, trainer, config, shards=state)
         return Snapshot(position, self.checkpointed(self.parallel.state_dict()), self.optimizer.state_dict(), trainer,
                         config)
@@ -67,9 +67,15 @@ class CheckpointedState:
         return {name: value for name, value in state.items() if name not in frozen}
 
     def frozen_fingerprint(self) -> list[list[float]]:
-        """The frozen weights' fingerprint (lora.fingerprint), taken once: they never change."""
+        """The frozen weights' fingerprint (lora.fingerprint), taken once: they never change. Sharded: every
+        rank's part summed (all ranks, at their first snapshot or restore alike)."""
         if self._frozen_fingerprint is None:
-            self._frozen_fingerprint = lora.fingerprint(self.module, self.frozen)
+            mine = lora.fingerprint(self.module, self.frozen)
+            if self.parallel.sharded:
+                parts = self.ctx.gather_floats([x for pair in mine for x in pair])
+                summed = [sum(column) for column in zip(*parts)]
+                mine = [summed[i:i + 2] for i in range(0, len(summed), 2)]
+            self._frozen_fingerprint = mine
         return self._frozen_fingerprint
 
     def _check_frozen(self, loaded: Loaded) -> None:
@@ -105,7 +111,7 @@ class CheckpointedState:
         else:
             from ddptrain.checkpoints import shards
 
-            shards.load_into(self.module, self.optimizer, loaded, self.checkpoints.group)
+            shards.load_into(self.module, self.optimizer, loaded, self.checkpoints.group, self.frozen)
         self._optimizer_stepped = bool(self.optimizer.state)
         for group, wanted in zip(self.optimizer.param_groups, configured):
             changed = {k: (group.get(k), v) for k, v in wanted.items()
