@@ -29,10 +29,12 @@ from benchmarks.common import REPO, BenchError, Plan, Row, load_average, render_
 
 def plans(names: list[str], size: str, work: Path, with_compile: bool) -> list[tuple[str, Plan]]:
     from benchmarks.big_model import big_model
+    from benchmarks.lora import lora
     from benchmarks.options import options
     from benchmarks.sections import SECTIONS
 
-    table = {**SECTIONS, "options": lambda size, work: options(size, work, with_compile), "big_model": big_model}
+    table = {**SECTIONS, "options": lambda size, work: options(size, work, with_compile), "big_model": big_model,
+             "lora": lora}
     return [(name, table[name](size, work)) for name in names]
 
 
@@ -42,7 +44,7 @@ def error_rows(name: str, exc: BaseException) -> tuple[list[Row], str]:
 
 
 ALL = ["overhead", "small_steps", "accumulation", "checkpoint", "data", "startup", "scaling", "sharding", "recompute", "options",
-       "big_model"]
+       "big_model", "lora"]
 
 
 def main(argv: list[str] | None = None) -> int:
