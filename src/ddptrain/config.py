@@ -150,6 +150,21 @@ class TrainConfig:
                                              "gradients; costs one reduce-scatter per micro-step instead of one "
                                              "per step (hsdp: the cross-node all-reduce too). No effect with "
                                              "--grad_accum_steps 1", group="distributed")
+    param_dtype: str = opt("fp32", "fsdp/hsdp: the weights' own dtype: shards, gradients and optimizer state (bf16 "
+                           "halves each; the optimizer then updates bf16 weights, so an update below half a weight's "
+                           "bf16 spacing is lost). fp32 master weights with bf16 compute: --param_dtype fp32 "
+                           "--use_amp", choices=("fp32", "bf16"), group="distributed")
+    reduce_dtype: str = opt("fp32", "fsdp/hsdp: the dtype gradients are reduce-scattered (hsdp: and all-reduced) and "
+                            "accumulated between micro-steps in; bf16 halves those bytes, fp32 sums exactly-rounded "
+                            "once (also under bf16 weights)", choices=("fp32", "bf16"), group="distributed")
+    reshard_after_forward: bool = opt(True, "fsdp/hsdp: free each block's gathered parameters after its forward and "
+                                      "gather them again in backward (ZeRO-3); --no-reshard_after_forward keeps "
+                                      "them from forward to backward (ZeRO-2-like): one all-gather per block per "
+                                      "step instead of two, the whole model's parameters held meanwhile. Same "
+                                      "result", group="distributed")
+    cpu_offload: bool = opt(False, "fsdp/hsdp: keep parameter shards, gradients and optimizer state in host memory "
+                            "(FSDP2 CPUOffloadPolicy): each block is copied to the device for its compute, the "
+                            "optimizer steps on the CPU. Same result, slower", group="distributed")
     bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB", min=0.0, group="distributed")
     static_graph: bool = opt(False, "tell DDP the graph is the same every step (not with --grad_accum_steps > 1)",
                              group="distributed")
@@ -310,6 +325,14 @@ class TrainConfig:
                                      ("sync_batchnorm", self.sync_batchnorm, "it is a DDP setting; drop it")):
                 if value:
                     raise UsageError(f"--{flag} does not apply to --strategy {self.strategy}: {why}")
+        if self.strategy == "ddp":
+            for flag, value in (("param_dtype bf16", self.param_dtype != "fp32"),
+                                ("reduce_dtype bf16", self.reduce_dtype != "fp32"),
+                                ("no-reshard_after_forward", not self.reshard_after_forward),
+                                ("cpu_offload", self.cpu_offload)):
+                if value:
+                    raise UsageError(f"--{flag} applies to --strategy fsdp or hsdp (ddp keeps a whole fp32 replica "
+                                     "per rank; --use_amp computes in bf16); drop the flag or pass --strategy fsdp")
         if self.fsdp_reduce_every_micro_step and self.strategy == "ddp":
             raise UsageError("--fsdp_reduce_every_micro_step applies to --strategy fsdp or hsdp (ddp holds whole "
                              "gradients anyway); drop the flag or pass --strategy fsdp")
@@ -367,7 +390,7 @@ TRAINING_SETTINGS = (
     "pad_token_id", "seq_len", "vocab_size", "num_layers", "num_heads", "num_classes", "in_channels",
     "image_size", "dataset_size", "width", "norm", "sync_batchnorm", "optimizer", "lr", "momentum", "weight_decay",
     "decay_all", "lr_schedule", "warmup_steps", "min_lr", "scale_lr", "base_batch_size", "grad_clip", "use_amp",
-    "amp_dtype", "seed")
+    "amp_dtype", "param_dtype", "reduce_dtype", "seed")
 
 
 def setting_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:

@@ -116,7 +116,7 @@ class ShardedParallel:
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, ctx: DistributedContext):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         self.module, self.ctx, self.name = module, ctx, cfg.strategy
         self.reduce_every_micro_step = cfg.fsdp_reduce_every_micro_step
@@ -128,20 +128,27 @@ class ShardedParallel:
         shape = (nodes, ctx.world_size // nodes) if nodes > 1 else (ctx.world_size,)
         names = ("replicate", "shard") if nodes > 1 else ("shard",)
         self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
-        # --use_amp: compute in bf16 (parameters gathered as bf16), reduce gradients and keep shards in fp32.
-        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                       output_dtype=torch.float32) if cfg.use_amp else MixedPrecisionPolicy())
+        policy = precision_policy(cfg)
+        self.cpu_offload = cfg.cpu_offload
+        if cfg.param_dtype == "bf16":
+            module.to(torch.bfloat16)  # the shards, their gradients and optimizer state: bf16 (meta: filled rounded)
+        # Pinned host memory needs an accelerator; on CPU the shards already live on the host.
+        offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+        shard = functools.partial(fully_shard, mesh=self.mesh, mp_policy=policy, offload_policy=offload,
+                                  reshard_after_forward=cfg.reshard_after_forward)
         blocks = fsdp_blocks(module, cfg.fsdp_blocks)
         if not blocks and ctx.is_main:
             log.warning("--strategy %s: the model names no blocks (an `fsdp_blocks` attribute or --fsdp_blocks), "
                         "so it is one unit: memory is sharded at rest but gathered whole for every forward",
                         cfg.strategy)
         for block in blocks:
-            fully_shard(block, mesh=self.mesh, mp_policy=policy)
-        fully_shard(module, mesh=self.mesh, mp_policy=policy)
+            shard(block)
+        shard(module)
         if materialize.is_meta(module):  # built on the meta device (models.meta_buildable): each rank fills its shards
             source = hf.pretrained_dir(cfg) if hf.is_hf(cfg.model) else None
-            materialize.materialize(module, ctx.device, cfg.seed, source)
+            # Offloaded shards live on the host from the start (as FSDP2 moves a built model's there).
+            home = torch.device("cpu") if cfg.cpu_offload else ctx.device
+            materialize.materialize(module, home, cfg.seed, source)
             log.info("%s: built on the meta device, each rank's shards filled from %s", cfg.strategy,
                      source or f"the init of seed {cfg.seed}")
         self.units = len(blocks) + 1
@@ -179,7 +186,11 @@ class ShardedParallel:
         shards.write_streamed(self.module, path, metadata, self.ctx.is_main, hf_dir)
 
     def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        return _memory(self.module, optimizer)
+        """Bytes this rank holds of parameter shards, gradients and optimizer state; `offloaded_bytes`: how many
+        of them --cpu_offload keeps in host memory instead of the device (all of them; 0 without it)."""
+        held = _memory(self.module, optimizer)
+        held["offloaded_bytes"] = sum(held.values()) if self.cpu_offload else 0
+        return held
 
     def grad_bytes_held(self) -> int:
         """Bytes of gradients this rank holds now: its gradient shards, plus the unsharded gradients FSDP2
@@ -218,6 +229,21 @@ class ShardedParallel:
         """Under hsdp each node holds a replica of the shards: prove they are identical. (fsdp has none.)"""
         if self.mesh.ndim == 2:
             _check_replicas(self.module, self.ctx, [r % self.mesh.size(1) for r in range(self.ctx.world_size)])
+
+
+def precision_policy(cfg: TrainConfig) -> Any:
+    """FSDP2's MixedPrecisionPolicy from --use_amp, --param_dtype and --reduce_dtype.
+
+    --use_amp computes in bf16 (parameters gathered as bf16) over the fp32 shards; bf16 weights compute in bf16
+    anyway. Either way the inputs of each unit are cast to bf16 and the outputs back to fp32, so the loss is
+    taken in fp32. Gradients are reduced in --reduce_dtype and written to the shards in the weights' dtype.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    reduce = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
+    if cfg.use_amp or cfg.param_dtype == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce, output_dtype=torch.float32)
+    return MixedPrecisionPolicy(reduce_dtype=reduce)
 
 
 def build_parallel(module: nn.Module, cfg: TrainConfig, ctx: DistributedContext) -> DataParallel | ShardedParallel:
