@@ -2,28 +2,31 @@
 
 from __future__ import annotations
 
-import math
+import json
 
 import pytest
-import torch
 from helpers import REPO, run_python
 
 transformers = pytest.importorskip("transformers")
 
 
-def test_the_fine_tuning_example_trains_on_two_processes_and_reloads_with_from_pretrained(tmp_path):
+def test_the_finetune_hf_example_teaches_lora_adapters_to_answer_held_out_chat_questions(tmp_path):
+    """examples/finetune_hf.py at its defaults: LoRA adapters trained on 2 processes on chat records answer
+    questions no training record asked (the base model answers none of them: with --lr 0 this test fails), and
+    RUN_DIR/adapter holds what a user loads with peft and transformers: the adapter and the tokenizer with its
+    chat template."""
+    pytest.importorskip("peft")
     run_dir = tmp_path / "finetune"
-    proc = run_python([str(REPO / "examples" / "finetune_hf.py"), "--run_dir", str(run_dir), "--records", "96",
-                       "--epochs", "2"], timeout=600)
+    proc = run_python([str(REPO / "examples" / "finetune_hf.py"), "--run_dir", str(run_dir)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    loss_line = next(line for line in proc.stdout.splitlines() if line.startswith("eval loss"))
-    assert float(loss_line.split()[2]) < math.log(512), "it learnt something (uniform over 512 tokens: 6.24)"
-    assert "->" in proc.stdout  # the reloaded model generated a response
-    logs = (run_dir / "logs" / "rank-1.log").read_text()
-    assert "world size" in (run_dir / "logs" / "rank-0.log").read_text() and logs, "2 processes trained"
-    model = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "hf")
-    from safetensors.torch import load_file
-
-    final = load_file(str(run_dir / "model.safetensors"))
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(tensor, final[name]), name
+    score = next(line for line in proc.stdout.splitlines() if line.startswith("held-out answers right:"))
+    right, asked = map(int, score.split()[-1].split("/"))
+    assert asked == 32 and right >= 24, proc.stdout[-2000:]
+    logs = run_dir / "logs"
+    assert "world size 2" in (logs / "rank-0.log").read_text() and (logs / "rank-1.log").is_file()
+    adapter = run_dir / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(adapter)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                           return_dict=False)
+    assert prompt[0] == tokenizer.bos_token_id and tokenizer.decode(prompt).endswith("<|assistant|>")
