@@ -89,3 +89,23 @@ class KillAfterCheckpoint(ddptrain.Callback):
         if (run.rank == int(os.environ["KILL_RANK"]) and step == int(os.environ["KILL_STEP"])
                 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SignalLauncherAtEnd(ddptrain.Callback):
+    """A SIGTERM in a finished job's teardown: rank 0 sends it to the `--nproc` launcher as training ends
+    (after the final weights), then waits to be stopped with the other workers."""
+
+    def on_train_end(self, run, summary):
+        if run.rank == 0:
+            os.kill(int(os.environ["DDPTRAIN_LAUNCHER_PID"]), signal.SIGTERM)
+            time.sleep(60)  # the launcher's agent stops this worker
+
+
+class RecordProcessName(ddptrain.Callback):
+    """Writes what ps and top show for this worker (its command line and short name) to
+    RUN_DIR/process-rank-R.json."""
+
+    def on_train_start(self, run):
+        cmdline = open("/proc/self/cmdline", "rb").read().split(b"\0")[0].decode()
+        comm = open("/proc/self/comm").read().strip()
+        (run.run_dir / f"process-rank-{run.rank}.json").write_text(json.dumps({"cmdline": cmdline, "comm": comm}))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import numpy as np
 import pipeline_runs as runs
 import pytest
 import torch
-from helpers import TINY, cli_env, read_jsonl, run_python
+from helpers import TINY, cli_env, read_jsonl, run_cli, run_python
 from torch.utils.data import Dataset
 
 from ddptrain.config import TrainConfig
@@ -430,3 +431,16 @@ def test_loader_workers_end_with_a_killed_trainer(tmp_path, start_method):
     for pid in left:
         os.kill(pid, 9)
     assert not left, f"loader workers {left} outlived their trainer"
+
+
+def test_more_loader_workers_than_cores_is_one_line_naming_num_workers(tmp_path):
+    """Issue 35 item 11: torch's 4-line "excessive worker creation" warning came from every loader of every
+    rank (6 times a run); ddptrain says it once, on rank 0, naming the flag."""
+    workers = len(os.sched_getaffinity(0)) + 1
+    proc = run_cli(["train", *TINY, "--run_dir", str(tmp_path), "--nproc", "2", "--max_steps", "2",
+                    "--num_workers", str(workers)])
+    assert proc.returncode == 0, proc.stderr
+    console = proc.stdout + proc.stderr
+    assert "excessive worker creation" not in console
+    lines = [line for line in console.splitlines() if "--num_workers" in line]
+    assert len(lines) == 1 and f"--num_workers {workers} on 2 ranks of this host" in lines[0], console

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pipeline_runs as runs
 import pytest
-from helpers import REPO, TINY, cli_env, train
+from helpers import REPO, TINY, cli_env, run_cli, train
 
 JOB = ["--batch_size", "16", "--epochs", "1", "--max_steps", "4"]
 
@@ -162,3 +162,19 @@ def test_a_forkserver_ends_without_the_interpreters_teardown():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "exit handler ran\n"
+
+
+def test_a_sigterm_in_the_teardown_of_a_finished_run_exits_0_and_workers_are_named(tmp_path):
+    """Issue 35 item 9: a SIGTERM that reaches the launcher once training ended was reported as "stopped by
+    SIGTERM before a checkpoint committed", exit 143, for a run whose final weights were written.
+    Item 10: the workers showed in ps and top as `python3 -B -c from multiprocessing.forkserver import main`."""
+    proc = run_cli(["train", *TINY, *JOB, "--run_dir", str(tmp_path), "--nproc", "2", "--no-progress",
+                    "--callbacks", "callback_plugins:RecordProcessName,callback_plugins:SignalLauncherAtEnd"],
+                   fresh=True)  # a fork of the suite's zygote has the zygote's command line, which setproctitle keeps
+    assert proc.returncode == 0, proc.stderr
+    assert "SIGTERM after the run finished at step 4 (final weights written); exit 0" in proc.stderr
+    assert (tmp_path / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "FINISHED").read_text())["step"] == 4
+    for rank in (0, 1):
+        shown = json.loads((tmp_path / f"process-rank-{rank}.json").read_text())
+        assert shown == {"cmdline": f"ddptrain rank {rank}/2: {tmp_path}", "comm": f"ddptrain rank {rank}"}

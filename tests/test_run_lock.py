@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import REPO, TINY, cli_env, one_line_error, start_cli, train
+from helpers import REPO, TINY, cli_env, one_line_error, run_cli, start_cli, train
 from lock_plugins import GATE_ENV
 
 # --nproc 2 x batch 32: 4 steps per epoch; a checkpoint at step 2 and at the end (step 4).
@@ -249,3 +249,14 @@ def test_prepare_step_dir_never_deletes_a_committed_checkpoint_but_clears_a_part
     (partial / "model.safetensors").write_bytes(b"half a file")  # a crash before the manifest
     assert prepare_step_dir(tmp_path, 4) == partial
     assert list(partial.iterdir()) == []
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_run_dir_that_cannot_be_created_is_one_line_naming_it_on_one_process_and_with_nproc(tmp_path, nproc):
+    """Issue 35 item 8: a lone worker made the run dir before any check (a traceback, exit 1), the launcher
+    gave one line. A parent that is a file stands for a read-only mount (root writes through chmod)."""
+    (tmp_path / "file").write_text("not a directory")
+    run_dir = tmp_path / "file" / "run"
+    proc = run_cli(["train", *TINY, "--run_dir", str(run_dir), "--nproc", str(nproc)])
+    assert one_line_error(proc) == (
+        f"ddptrain: error: cannot create {run_dir} (Not a directory); choose a writable --run_dir")

@@ -51,6 +51,7 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
     from ddptrain.parallel import netinfo
     from ddptrain.parallel.distributed import distributed
     from ddptrain.parallel.launch import LOCAL_LAUNCH_ENV
+    from ddptrain.parallel.procenv import name_worker, read_launch_env
     from ddptrain.parallel.watchdog import record_for_launcher
 
     if cfg.num_workers > 0:
@@ -61,10 +62,12 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
         # as in the test suite's warm starts (tests/zygote.py), it can be a fork of this process.
         worker_context()
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    runlock.make_dir(run_dir, "--run_dir")
     with (distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx,
           runlock.held_by_job(ctx, runlock.job_dirs(cfg))):  # before this job writes anything into the run dir
         log = setup_logging(run_dir, ctx.rank, ctx.world_size, ctx.host)
+        if read_launch_env().launched:
+            name_worker(ctx.rank, ctx.world_size, run_dir)
         log.debug("address %s on interface %s, device %s", ctx.addr, ctx.interface, ctx.device)
         if ctx.is_main and ctx.world_size > 1:
             log.info("ranks by host: %s", netinfo.describe_hosts(ctx.hosts, ctx.addrs))

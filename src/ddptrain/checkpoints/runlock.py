@@ -54,6 +54,15 @@ class RunDirBusy(UsageError):
     """Another job holds the lock: the message names the directory, the holder and the fix."""
 
 
+def make_dir(directory: Path, flag: str) -> None:
+    """Create one of a job's directories (`flag` chose it), or raise UsageError naming both: the same line
+    whether the launcher or a lone worker is the first to need it."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create {directory} ({exc.strerror}); choose a writable {flag}") from None
+
+
 def job_dirs(cfg: Any) -> list[tuple[Path, str]]:
     """(directory, flag that chooses it) of each directory a job of `cfg` must own: the run dir, and the
     checkpoint dir where it is not inside the run dir (two run dirs may share one --checkpoint_dir)."""
@@ -97,7 +106,7 @@ def acquire(dirs: list[tuple[Path, str]], launcher_token: str = "") -> JobLock:
             key = str(path.resolve())
             if key in _held:
                 raise RunDirBusy(_refusal(directory, flag, _held[key]))
-            directory.mkdir(parents=True, exist_ok=True)
+            make_dir(directory, flag)
             fd = fds[key] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -3,6 +3,9 @@ partitioned streams (streams.py); the eval split sharded so that each sample is 
 
 from __future__ import annotations
 
+import logging
+import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -13,6 +16,12 @@ from ddptrain.data.pipeline import BatchLayout, GlobalOrderSampler, ShardedEvalS
 from ddptrain.data.streams import StreamPosition, StreamShard, readers_per_rank, stream_loader
 from ddptrain.errors import UsageError
 from ddptrain.parallel.distributed import DistributedContext
+
+log = logging.getLogger("ddptrain")
+
+# torch says this in four lines for each loader of each rank (six times in a 2-process run); note_loader_processes
+# says it once.
+warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ worker processes", category=UserWarning)
 
 
 @dataclass
@@ -29,6 +38,7 @@ class Loaders:
 def build_loaders(cfg: TrainConfig, ctx: DistributedContext, layout: BatchLayout, train_ds: Any,
                   eval_ds: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Loaders:
     """The run's loaders; `collate_fn` (fit's) turns a list of items into a batch (default: see data.Collate)."""
+    note_loader_processes(cfg, ctx)
     device = ctx.device
     train_seed, eval_seed = mix_seed(cfg.seed, 4, ctx.rank), mix_seed(cfg.seed, 5, ctx.rank)
     if isinstance(eval_ds, IterableDataset):
@@ -56,3 +66,13 @@ def build_loaders(cfg: TrainConfig, ctx: DistributedContext, layout: BatchLayout
     sampler = GlobalOrderSampler(num_train, layout, ctx.rank, cfg.seed)
     return Loaders(make_loader(train_ds, sampler, cfg, device, seed=train_seed, collate_fn=collate_fn), eval_loader,
                    sampler, None, None, num_train, steps_per_epoch)
+
+
+def note_loader_processes(cfg: TrainConfig, ctx: DistributedContext) -> None:
+    """One warning on rank 0 when this host's ranks start more loader workers than the ranks may use cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    busy = cfg.num_workers * ctx.local_world_size  # the training loaders' workers, all reading at once
+    if ctx.is_main and busy > cores:
+        log.warning("--num_workers %d on %d ranks of this host: %d training-loader processes for %d CPU cores; "
+                    "lower --num_workers (0 loads in the training process) if loading slows training",
+                    cfg.num_workers, ctx.local_world_size, busy, cores)

@@ -6,7 +6,6 @@ import signal
 from typing import Any
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-PREEMPTED_MARKER = "PREEMPTED"  # RUN_DIR/PREEMPTED: written after the preemption checkpoint commits
 
 
 class StopSignals:

@@ -37,7 +37,7 @@ from ddptrain.loop.evaluator import Evaluator
 from ddptrain.loop.loaders import build_loaders
 from ddptrain.loop.normalise import LossNormaliser
 from ddptrain.loop.optim import build_optimizer, build_scheduler, parameter_groups, peak_lr
-from ddptrain.loop.preempt import PREEMPTED_MARKER, StopSignals
+from ddptrain.loop.preempt import StopSignals
 from ddptrain.loop.sanity import check_first_batch
 from ddptrain.loop.state import MetricWindow, seed_rank_rngs
 from ddptrain.loop.tasks import build_task
@@ -50,7 +50,7 @@ from ddptrain.observe.metrics import MetricSinks, ProgressBar
 from ddptrain.observe.profiler import StepProfiler
 from ddptrain.observe.trackers import Trackers
 from ddptrain.parallel.distributed import DistributedContext, LaggedVote
-from ddptrain.parallel.launch import LAUNCH_TIME_ENV
+from ddptrain.parallel.launch import FINISHED_MARKER, LAUNCH_TIME_ENV, PREEMPTED_MARKER
 from ddptrain.parallel.strategies import build_parallel
 from ddptrain.parallel.watchdog import Watchdog
 from ddptrain.parts import Parts
@@ -282,6 +282,8 @@ class Trainer(CheckpointedState):
         bar.close()
         self._export_weights()
         self.checkpoints.confirm_best()  # after the weights: a best/ that could not be made fails a finished run
+        if self.ctx.is_main:  # every rank is past the last collective: a signal from here on finds a complete run
+            write_atomic(self.run_dir / FINISHED_MARKER, json.dumps({"step": pos.step, "time": time.time()}).encode())
         summary = self._summary(self._last_eval, time.perf_counter() - started)
         self.callbacks.call("on_train_end", self.run_view, summary)
         return summary
@@ -534,7 +536,8 @@ class Trainer(CheckpointedState):
         self._first_step = 0
         self._last_save_time = time.monotonic()
         if self.ctx.is_main:
-            (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
+            for marker in (PREEMPTED_MARKER, FINISHED_MARKER):
+                (self.run_dir / marker).unlink(missing_ok=True)
         loaded = None
         if self.frozen:
             self.frozen_fingerprint()  # now, on every rank (sharded: a collective), not inside a later save

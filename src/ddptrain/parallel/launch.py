@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 LOCAL_LAUNCH_ENV = "DDPTRAIN_LOCAL_LAUNCH"  # set for workers of `--nproc`: the launcher reports their errors
 LAUNCH_TIME_ENV = "DDPTRAIN_LAUNCH_TIME"  # when `--nproc`'s launcher started: --max_time counts from there
 LAUNCHER_PID_ENV = "DDPTRAIN_LAUNCHER_PID"  # the `--nproc` launcher, which its workers must not outlive
+# Rank 0's word to whoever started the job (this launcher, a SLURM script), each cleared when the run resumes:
+PREEMPTED_MARKER = "PREEMPTED"  # RUN_DIR/PREEMPTED: written after the preemption checkpoint commits
+FINISHED_MARKER = "FINISHED"  # RUN_DIR/FINISHED: the run is complete, its final weights written
 
 # The agent forwards these to the workers, which checkpoint and exit; SIGUSR1 is SLURM's --signal.
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -153,6 +156,11 @@ def launch_local(command: str, argv: list[str], nproc: int, max_restarts: int, r
     except ChildFailedError as exc:
         return _report_failure(exc, run_dir, started, command)
     except SignalException as exc:
+        finished = _marker_since(run_dir, FINISHED_MARKER, started)
+        if finished:  # the signal reached this launcher while the workers tore down a complete run
+            print(f"ddptrain: {exc.sigval.name} after the run finished at step {finished['step']} (final weights "
+                  "written); exit 0", file=sys.stderr)
+            return 0
         preempted = _preempted_since(run_dir, started)
         if preempted:
             print(f"ddptrain: preempted by {exc.sigval.name}: checkpoint of step {preempted['step']} committed; "
@@ -181,12 +189,17 @@ def quiet_agent_logs() -> None:
             logger.addFilter(noise)
 
 
-def _preempted_since(run_dir: Path | None, started: float) -> dict | None:
-    marker = run_dir / "PREEMPTED" if run_dir else None
+def _marker_since(run_dir: Path | None, name: str, started: float) -> dict | None:
+    """What rank 0 wrote into RUN_DIR/`name` since this launch `started`, or None."""
+    marker = run_dir / name if run_dir else None
     if marker is None or not marker.is_file():
         return None
     data = json.loads(marker.read_text())
     return data if data.get("time", 0) >= started else None
+
+
+def _preempted_since(run_dir: Path | None, started: float) -> dict | None:
+    return _marker_since(run_dir, PREEMPTED_MARKER, started)
 
 
 # Errors of a rank that lost a peer: the consequence of another rank's failure, not its cause.

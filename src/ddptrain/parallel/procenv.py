@@ -72,3 +72,12 @@ def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
         raise UsageError(f"RANK={rank} is outside WORLD_SIZE={world}")
     return LaunchEnv(rank=rank, local_rank=local, world_size=world,
                      local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")), launched=True)
+
+
+def name_worker(rank: int, world_size: int, run_dir: object) -> None:
+    """Call a launched worker `ddptrain rank R/N: RUN_DIR` in ps, top and nvidia-smi (its command line; the short
+    name that `top` and `ps -o comm` show is the first 15 bytes, `ddptrain rank R`), so that an operator finds
+    rank 3 on a node. A process that nothing launched (fit in a user's own program) keeps its name."""
+    import setproctitle
+
+    setproctitle.setproctitle(f"ddptrain rank {rank}/{world_size}: {run_dir}")
