@@ -139,16 +139,18 @@ def test_silent_wrongs_of_the_data_are_one_line_exit_2(case, tokenizer_dir, chat
     assert all(part in line for part in expected), line
 
 
-def test_some_cut_off_records_are_counted_in_one_line(tokenizer_dir, tmp_path):
+def test_some_cut_off_records_and_blank_lines_are_counted_in_one_line_each(tokenizer_dir, tmp_path):
     data = tmp_path / "records.jsonl"
     long, short = " ".join(words(40)), " ".join(words(2))
-    data.write_text("".join(json.dumps({"q": long if i % 4 == 0 else short, "a": "x y"}) + "\n" for i in range(8)))
+    lines = [json.dumps({"q": long if i % 4 == 0 else short, "a": "x y"}) for i in range(8)]
+    data.write_text("\n".join(lines[:3] + ["", "  "] + lines[3:]) + "\n\n")
     proc = run_cli(["train", "--run_dir", str(tmp_path / "run"), "--task", "language_model", "--model", "gpt",
                     "--vocab_size", "320", "--seq_len", "24", "--dataset", f"hf:{data}", "--tokenizer",
                     str(tokenizer_dir), "--prompt_field", "q", "--response_field", "a", "--max_steps", "1",
                     "--batch_size", "2", "--no-progress", "--num_workers", "0"])
     assert proc.returncode == 0, proc.stderr
     assert "2 of 8 records" in proc.stdout and "cut off by --seq_len 24" in proc.stdout
+    assert f"--dataset {data}: 3 blank lines skipped (first: line 4)" in proc.stdout
 
 
 def test_lora_on_chat_records_on_two_processes_learns_what_one_process_learns(tokenizer_dir, chats, tmp_path):

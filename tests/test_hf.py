@@ -89,6 +89,12 @@ def test_the_run_and_export_write_a_directory_from_pretrained_loads(whole, tmp_p
     exported = tmp_path / "exported"
     proc = run_cli(["export", str(whole), "--hf", str(exported)])
     assert proc.returncode == 0, proc.stderr
+    # Both configured for inference alike (training's use_cache=False was in both, and their generation configs
+    # differed: issue 37 item 10).
+    for name in ("config.json", "generation_config.json"):
+        run_dir_file, export_file = (json.loads((d / name).read_text()) for d in (whole / "hf", exported))
+        run_dir_file.pop("transformers_version", None), export_file.pop("transformers_version", None)
+        assert run_dir_file == export_file and run_dir_file.get("use_cache", True) is True, name
     for directory in (whole / "hf", exported):
         loaded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
         assert_bitwise_equal(loaded.state_dict(), trained.state_dict())

@@ -20,6 +20,7 @@ when an hf: flag asks for them; a missing one is a usage error naming the extra.
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import importlib
@@ -193,7 +194,7 @@ def save_pretrained(cfg: TrainConfig, state: dict[str, torch.Tensor], out_dir: P
         state = None
     out_dir.mkdir(parents=True, exist_ok=True)
     module.save_pretrained(out_dir, state_dict=state)
-    copy_tokenizer(cfg, out_dir)
+    save_pretrained_files(cfg, module, out_dir)  # its config as for inference, as RUN_DIR/hf has it
     return out_dir
 
 
@@ -207,11 +208,19 @@ def copy_tokenizer(cfg: TrainConfig, out_dir: Path) -> None:
 
 def save_pretrained_files(cfg: TrainConfig, module: nn.Module, out_dir: Path) -> None:
     """What save_pretrained writes besides the weights (config, generation config) and the tokenizer's files:
-    with weights written in HF's layout beside them, `from_pretrained(out_dir)` loads the model."""
+    with weights written in HF's layout beside them, `from_pretrained(out_dir)` loads the model. Configured for
+    inference: training turned the key/value cache off (`load`), the files turn it back on."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    module.config.save_pretrained(out_dir)
+    training = module.config.use_cache
+    module.config.use_cache = True
+    try:
+        module.config.save_pretrained(out_dir)
+    finally:
+        module.config.use_cache = training
     generation = getattr(module, "generation_config", None)
     if generation is not None and module.can_generate():
+        generation = copy.deepcopy(generation)
+        generation.use_cache = True
         generation.save_pretrained(out_dir)
     copy_tokenizer(cfg, out_dir)
 
@@ -350,12 +359,24 @@ def _read(path: Path, flag: str, cache: Path) -> Any:
         except (FileNotFoundError, ValueError) as exc:
             raise UsageError(f"{flag} {path}: not a datasets.save_to_disk directory ({exc})") from None
         return data
+    if path.suffix == ".jsonl":
+        _say_blank_lines(path, flag)
     reader = datasets.Dataset.from_parquet if path.suffix == ".parquet" else datasets.Dataset.from_json
     try:
         return reader(str(path), cache_dir=str(cache / "raw"))
     except Exception as exc:  # malformed JSON lines, not Parquet: the file is at fault
         raise UsageError(f"{flag} {path}: cannot read it as {path.suffix[1:]} records ({type(exc).__name__}: "
                          f"{first_line(exc)})") from None
+
+
+def _say_blank_lines(path: Path, flag: str) -> None:
+    """JSON Lines readers skip blank lines: say so once, with the count, so that none vanishes unnoticed and a
+    record's number (counted without them) is not taken for a line's."""
+    with open(path, "rb") as fh:
+        blank = [number for number, line in enumerate(fh, 1) if not line.strip()]
+    if blank:
+        print(f"ddptrain: {flag} {path}: {len(blank)} blank lines skipped (first: line {blank[0]}); records are "
+              "numbered without them", flush=True)
 
 
 def _splits(data: Any) -> tuple[Any, Any]:
