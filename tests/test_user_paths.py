@@ -40,6 +40,9 @@ def test_a_datasets_own_collate_fn_makes_its_batches(tmp_path):
     train(tmp_path, "--dataset", "user_plugins:tagged_pairs", "--task", "user_plugins:dict_only", "--num_classes", "4",
           "--in_channels", "1", "--max_steps", "4", "--num_workers", "2", nproc=2)
     assert (tmp_path / "model.safetensors").exists()
+    # The FLOP count (MFU) reads a batch the same collate_fn made (issue 37 item 10: it tried ddptrain's own).
+    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    assert "training FLOPs per sample" in log and "FLOP count unavailable" not in log, log
 
 
 # --- resume: only what the user means to continue --------------------------------------------------

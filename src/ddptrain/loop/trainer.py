@@ -117,7 +117,8 @@ class Trainer(CheckpointedState):
         # Counted before the per-rank RNG streams start: reading a sample may draw augmentation randomness. A model
         # built on the meta device (fsdp: filled after sharding) is counted there, on a meta copy of the sample.
         on = torch.device("meta") if any(p.is_meta for p in module.parameters()) else device
-        self.flops_per_sample = perf.task_flops_per_sample(module, self.task, train_ds, on) if ctx.is_main else 0.0
+        self.flops_per_sample = (perf.task_flops_per_sample(module, self.task, train_ds, on, self.train_loader.collate_fn)
+                                 if ctx.is_main else 0.0)
         self.parallel = build_parallel(module, cfg, ctx)
         self.model = self.parallel.model
         self.params = [p for p in module.parameters() if p.requires_grad]

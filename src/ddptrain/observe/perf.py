@@ -63,22 +63,25 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def task_flops_per_sample(module: nn.Module, task: Any, dataset: Any, device: torch.device) -> float:
-    """`train_flops` of the task's forward on the dataset's first sample; 0.0 (no MFU) if that fails.
+def task_flops_per_sample(module: nn.Module, task: Any, dataset: Any, device: torch.device,
+                          collate: Callable[[list[tuple[int, Any]]], tuple[list[int], Any]]) -> float:
+    """`train_flops` of the task's forward on the dataset's first sample, made a batch by the training loader's
+    own `collate` (a user's collate_fn included); 0.0 (no MFU) if that fails.
 
     A stream (IterableDataset) is not counted: reading its first element would start it outside the reader
     that shards it, so such a run reports no MFU, and says why at debug level only (it is no fault of the run).
     """
     from torch.utils.data import IterableDataset
 
-    from ddptrain.data.batch import collate, to_device
+    from ddptrain.data.batch import to_device
 
     if isinstance(dataset, IterableDataset):
         log.info("model: %.3g parameters", sum(p.numel() for p in module.parameters()))
         log.debug("no FLOP count for a stream (IterableDataset): no MFU will be reported")
         return 0.0
     try:
-        batch = to_device(collate([dataset[0]]), device)
+        _, batch = collate([(0, dataset[0])])
+        batch = to_device(batch, device)
         flops = train_flops(module, lambda: task.loss(module, batch))
         log.info("model: %.3g parameters, %.3g training FLOPs per sample",
                  sum(p.numel() for p in module.parameters()), flops)
