@@ -1,6 +1,6 @@
 """Experiment trackers (docs/trackers.md) against a real MLflow tracking server on loopback (SQLite backend in a
 temporary directory), read back through MLflow's own client, and W&B offline, read back from its run files in
-the run dir. The last test stops the MLflow server mid-run."""
+the run dir with W&B's own reader (`wandb leet inspect --json`). The last test stops the MLflow server mid-run."""
 
 from __future__ import annotations
 
@@ -73,6 +73,13 @@ class SimpleServer:
             pass
         self.proc.wait(timeout=30)
 
+    def pause(self) -> None:
+        """SIGSTOP the server: connections are accepted by the kernel and then get no answer."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def env(self, experiment: str) -> dict[str, str]:
         return {"MLFLOW_TRACKING_URI": self.uri, "MLFLOW_EXPERIMENT_NAME": experiment}
 
@@ -135,6 +142,109 @@ def test_a_killed_preempted_and_rerun_job_is_one_mlflow_run_with_each_step_once(
                          "config.toml": (tmp_path / "config.toml").stat().st_size}
 
 
+# 24 steps: the first attempt is killed at step 12 (--inject_fault), the restart resumes from the step-8
+# checkpoint, the test preempts it once it has committed step 12 (12 steps before the end), the rerun finishes.
+LONG_JOB = [*JOB, "--epochs", "3"]
+LONG_STEPS = 24
+
+
+def _kill_restart_preempt(run_dir: Path, env: dict[str, str], job: list[str], killed_rank: int) -> None:
+    """The first attempt SIGKILLs rank `killed_rank` as step 12 starts; the launcher restarts the workers from
+    step 8; the restarted attempt is preempted (SIGTERM to the launcher, exit 75) once step 12 has committed."""
+    proc = _start(run_dir, env, "--max_restarts", "1", "--inject_fault", f"rank={killed_rank},step=12,kind=sigkill",
+                  job=job)
+    wait_for(run_dir / "checkpoints" / "step-12" / "manifest.json", proc, limit_s=300)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 75, err
+    assert_restarted(proc_result(proc, err), run_dir, from_step=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed_rank", [1, 0])
+def test_lines_a_killed_first_attempt_never_sent_reach_mlflow_after_the_restart_and_rerun(tmp_path, server,
+                                                                                         killed_rank):
+    """Issue 35 item 4. The server is SIGSTOPped until the restarted attempt has committed step 12, so whatever
+    the machine's speed the first attempt (rank `killed_rank` SIGKILLed at step 12) sends MLflow nothing: steps
+    1..11 are in metrics.jsonl only, as when a first attempt dies seconds after it started (the tracker thread
+    still opening, or its queue lost with rank 0). The restart, the preemption and the rerun must leave ONE run,
+    FINISHED, with train/loss at every step 1..24 exactly once and metrics.jsonl's values."""
+    experiment = f"early-kill-{killed_rank}-{uuid.uuid4().hex[:6]}"
+    client = MlflowClient(server.uri)
+    job = [*LONG_JOB, "--tracker", "mlflow"]
+    # Requests to the stopped server give up in seconds (ddptrain's default is 10 s, with one retry).
+    env = {**server.env(experiment), "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}
+    server.pause()
+    try:
+        _kill_restart_preempt(tmp_path, env, job, killed_rank)
+    finally:
+        server.resume()
+    train(tmp_path, *job, nproc=2, env=env)
+
+    (run,) = _runs(client, experiment)
+    assert run.info.status == "FINISHED" and run.data.tags["ddptrain.status"] == "finished"
+    assert run.data.params["lr"] == "0.1"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, LONG_STEPS + 1)), "each log step exactly once"
+    assert {m.step: m.value for m in history} == {r["step"]: r["loss"] for r in metrics(tmp_path, "train")}
+    evals = client.get_metric_history(run.info.run_id, "eval/loss")
+    assert sorted(m.step for m in evals) == [8, 16, 24]
+
+
+def wandb_inspect(folder: Path) -> list[dict]:
+    """The records of one W&B run folder, read by W&B's own reader (`wandb leet inspect --json`)."""
+    exe = shutil.which("wandb", path=str(Path(sys.executable).parent)) or "wandb"
+    proc = subprocess.run([exe, "leet", "inspect", "--json", str(folder)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "WANDB_SILENT": "true"})
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def wandb_ending(records: list[dict]) -> tuple[int | None, str | None]:
+    """(exit code, summary ddptrain/status) of a W&B run folder's records."""
+    exits = [r["exit"].get("exit_code", 0) for r in records if r["type"] == "exit"]
+    status = [r["summary"]["update"]["ddptrain/status"] for r in records
+              if r["type"] == "summary" and "ddptrain/status" in r["summary"].get("update", {})]
+    return (exits[-1] if exits else None), (status[-1] if status else None)
+
+
+@pytest.mark.slow
+def test_a_damaged_earlier_wandb_file_does_not_stop_logging_and_the_newest_offline_run_holds_every_step(tmp_path):
+    """Issue 35 item 5. W&B offline, the job of the MLflow test above (rank 1 SIGKILLed at step 12, restarted,
+    preempted); then the tail of the preempted attempt's run file is zero-filled, as a node crash leaves it, and
+    the job is rerun. The rerun's folder, read back with W&B's own reader, holds train/loss at every step 1..24
+    exactly once with metrics.jsonl's values, the evals, the config, exit 0 and status finished: every attempt's
+    folder is a whole mirror of metrics.jsonl up to its end, so `wandb sync` of the newest is the run. No attempt
+    made more than one folder."""
+    pytest.importorskip("wandb")
+    env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "early-kill", "WANDB_SILENT": "true"}
+    job = [*LONG_JOB, "--tracker", "wandb"]
+    _kill_restart_preempt(tmp_path, env, job, killed_rank=1)
+    run_id = json.loads((tmp_path / "trackers.json").read_text())["wandb"]["run_id"]
+    preempted = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))[-1]
+    assert wandb_ending(wandb_inspect(preempted)) == (75, "preempted")
+    run_file = preempted / f"run-{run_id}.wandb"
+    size = run_file.stat().st_size
+    with open(run_file, "r+b") as fh:
+        fh.seek(size // 2)
+        fh.write(bytes(size - size // 2))
+    train(tmp_path, *job, nproc=2, env=env)
+
+    folders = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert all(f.name.endswith(f"-{run_id}") for f in folders), folders
+    assert len(folders) <= 3, f"three attempts, {len(folders)} folders"
+    records = wandb_inspect(folders[-1])
+    rows = [r["history"]["item"] for r in records if r["type"] == "history"]
+    losses = [(row["_step"], row["train/loss"]) for row in rows if "train/loss" in row]
+    assert sorted(step for step, _ in losses) == list(range(1, LONG_STEPS + 1)), "each log step exactly once"
+    assert dict(losses) == {r["step"]: r["loss"] for r in metrics(tmp_path, "train")}
+    assert sorted(row["_step"] for row in rows if "eval/loss" in row) == [8, 16, 24]
+    (run,) = [r["run"] for r in records if r["type"] == "run"]
+    config = run["config"]["update"]
+    assert run["run_id"] == run_id and config["lr"] == 0.1 and config["ddptrain.world_size"] == "2"
+    assert wandb_ending(records) == (0, "finished")
+
+
 def test_a_missing_tracker_package_names_the_extra_and_an_unknown_tracker_is_refused(tmp_path):
     line = one_line_error(run_cli(["train", *TINY, "--run_dir", str(tmp_path), "--tracker", "comet"]))
     assert "--tracker 'comet'" in line and "mlflow" in line
@@ -148,18 +258,35 @@ def test_a_missing_tracker_package_names_the_extra_and_an_unknown_tracker_is_ref
     assert "pip install 'ddptrain[wandb]'" in one_line_error(proc)
 
 
-def test_a_killed_preempted_and_rerun_job_is_one_offline_wandb_run_with_each_step_once(tmp_path):
-    """The MLflow test's job with --tracker wandb and WANDB_MODE=offline: W&B's run files in RUN_DIR/wandb/ (one
-    per attempt, the same run id) hold train/loss at every step 1..16 exactly once with metrics.jsonl's values,
-    the eval lines, the config; the preempted attempt exited 75 and the last one 0 with status finished."""
-    pytest.importorskip("wandb")
-    from ddptrain.observe.trackers import wandb_history, wandb_records, wandb_rows, wandb_run_files
+def test_mlflow_s_local_default_store_works_with_mlflow_and_is_refused_in_one_line_with_the_client_only(tmp_path):
+    """Issue 37 item 9. Without a tracking URI MLflow uses sqlite:///mlflow.db in the working directory: with the
+    full mlflow package the run lands there; with mlflow-skinny (no SQLAlchemy: ddptrain[mlflow]) it is refused
+    before training, naming both fixes, where it used to fail in the tracker's thread after training began."""
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    job = ["train", *TINY, "--run_dir", str(tmp_path / "run"), "--max_steps", "3", "--tracker", "mlflow"]
+    script = ("import sys; sys.modules['sqlalchemy'] = None; from ddptrain.cli import main; "
+              f"sys.exit(main({job!r}))")
+    skinny = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(),
+                            cwd=tmp_path, timeout=120)
+    line = one_line_error(skinny)
+    assert f"sqlite:///{tmp_path / 'mlflow.db'}" in line and "pip install mlflow" in line and "--mlflow_tracking_uri" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    proc = run_cli(job, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (run,) = _runs(MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}"), "ddptrain")
+    history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run.info.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [1, 2, 3] and run.info.status == "FINISHED"
 
+
+def test_a_killed_preempted_and_rerun_job_is_one_offline_wandb_run_each_folder_a_whole_mirror(tmp_path):
+    """The MLflow test's job with --tracker wandb and WANDB_MODE=offline, read back with W&B's own reader: every
+    attempt's folder in RUN_DIR/wandb/ (one per attempt at most, one run id) holds train/loss at steps 1..k
+    exactly once with metrics.jsonl's values, k where the attempt ended, the preempted one past step 8 with exit
+    75 and status preempted; the rerun's folder every step 1..16, the evals, the config, exit 0 and finished."""
+    pytest.importorskip("wandb")
     env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "kill-preempt", "WANDB_SILENT": "true"}
     job = [*JOB, "--tracker", "wandb", "--callbacks", "callback_plugins:KillWhenTracked"]
-    # W&B writes its run file in buffered pieces, so the test cannot watch it mid-run: rank 1 kills itself after
-    # step 7 unasked, and rank 0, stopped by the launcher, closes its W&B run with what it had (checked below).
-    (tmp_path / "tracked").touch()
+    (tmp_path / "tracked").touch()  # rank 1 kills itself after step 7 unasked
     proc = _start(tmp_path, env, "--max_restarts", "1", job=job)
     wait_for(tmp_path / "checkpoints" / "step-8" / "manifest.json", proc)
     proc.send_signal(signal.SIGTERM)
@@ -169,29 +296,25 @@ def test_a_killed_preempted_and_rerun_job_is_one_offline_wandb_run_with_each_ste
     train(tmp_path, *job, nproc=2, env=env)
 
     run_id = json.loads((tmp_path / "trackers.json").read_text())["wandb"]["run_id"]
-    attempts = wandb_run_files(tmp_path, run_id)
-    assert sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*")) == [p.parent.name for p in attempts]
-    assert len(attempts) == 3, "the first incarnation, its restart and the rerun: one run id"
-    records = {path: list(wandb_records(path)) for path in attempts}
-    # The killed incarnation's file has lines past the step-4 checkpoint, so the restart replayed steps W&B had.
-    killed = [row["_step"] for row in wandb_rows(attempts[0]) if "train/loss" in row]
-    assert max(killed, default=0) >= 5, killed
-    rows = wandb_history(tmp_path, run_id)
-    losses = [(row["_step"], row["train/loss"]) for row in rows if "train/loss" in row]
-    assert sorted(step for step, _ in losses) == list(range(1, STEPS + 1)), "each log step exactly once"
-    assert dict(losses) == {r["step"]: r["loss"] for r in metrics(tmp_path, "train")}
-    assert sorted(row["_step"] for row in rows if "eval/loss" in row) == [8, 16]
-    first = [r for r in records[attempts[0]] if r.WhichOneof("record_type") == "run"][0].run
-    config = {item.key: json.loads(item.value_json) for item in first.config.update}
-    assert config["lr"] == 0.1 and config["grad_accum_steps"] == 2 and config["ddptrain.world_size"] == "2"
-
-    def ending(path: Path) -> tuple[int | None, str | None]:
-        exits = [r.exit.exit_code for r in records[path] if r.WhichOneof("record_type") == "exit"]
-        status = [json.loads(item.value_json) for r in records[path] if r.WhichOneof("record_type") == "summary"
-                  for item in r.summary.update if item.key == "ddptrain/status"]
-        return (exits[-1] if exits else None), (status[-1] if status else None)
-
-    assert ending(attempts[1]) == (75, "preempted") and ending(attempts[2]) == (0, "finished")
+    folders = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert 2 <= len(folders) <= 3 and all(f.name.endswith(f"-{run_id}") for f in folders), folders
+    jsonl = {r["step"]: r["loss"] for r in metrics(tmp_path, "train")}
+    inspected = {folder: wandb_inspect(folder) for folder in folders}
+    ends = []
+    for folder, records in inspected.items():
+        losses = [(row["_step"], row["train/loss"]) for r in records if r["type"] == "history"
+                  for row in [r["history"]["item"]] if "train/loss" in row]
+        ends.append(len(losses))
+        assert sorted(step for step, _ in losses) == list(range(1, len(losses) + 1)), folder
+        assert dict(losses) == {step: jsonl[step] for step, _ in losses}, folder
+        assert (wandb_ending(records)[0] == 75) == (folder == folders[-2]), folder
+    assert ends[-2] >= 8 and wandb_ending(inspected[folders[-2]]) == (75, "preempted")
+    records = inspected[folders[-1]]
+    assert ends[-1] == STEPS and wandb_ending(records) == (0, "finished")
+    assert sorted(r["history"]["item"]["_step"] for r in records
+                  if r["type"] == "history" and "eval/loss" in r["history"]["item"]) == [8, 16]
+    (run,) = [r["run"] for r in records if r["type"] == "run"]
+    assert run["config"]["update"]["grad_accum_steps"] == 2
 
 
 def test_the_tracker_server_stopped_mid_run_costs_training_nothing(tmp_path, server):

@@ -25,7 +25,7 @@ def check(cfg: TrainConfig) -> None:
     from ddptrain.observe.trackers import require_tracker
 
     for name in parse_trackers(cfg.tracker):
-        require_tracker(name)
+        require_tracker(name, cfg)
     if cfg.tensorboard:
         from ddptrain.observe.metrics import require_tensorboard
 

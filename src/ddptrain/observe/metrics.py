@@ -90,17 +90,19 @@ class MetricSinks:
             self._tb.close()
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Lines of a metrics.jsonl; a torn last line of a run still being written is skipped.
+def read_metrics(path: Path, start_byte: int = 0) -> list[dict[str, Any]]:
+    """Lines of a metrics.jsonl from byte `start_byte` on (a line start); a torn line (a run still being
+    written, or a crash mid-line) is skipped.
 
     After a resume, steps between the checkpoint and the crash appear twice; the later line wins.
     """
     latest: dict[tuple[str, int], dict[str, Any]] = {}
-    with open(path) as fh:
+    with open(path, "rb") as fh:
+        fh.seek(start_byte)
         for line in fh:
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except ValueError:  # JSONDecodeError, or UnicodeDecodeError from bytes cut mid-character
                 continue
             latest[(record.get("split"), record.get("step"))] = record
     return sorted(latest.values(), key=lambda r: (r["step"], r["split"] == "eval"))

@@ -1,15 +1,22 @@
-"""Experiment trackers on rank 0, off the training thread: one tracker run per run dir (docs/trackers.md).
+"""Experiment trackers on rank 0, off the training thread: mirrors of metrics.jsonl (docs/trackers.md).
 
-`Trackers` takes every metrics line that goes to metrics.jsonl and hands it to each tracker's own thread,
-which talks to the tracker. A tracker that is slow, down or refusing never holds up a step: its queue is
-bounded (lines beyond are counted, not kept), its first failure is one warning, and `close` waits for it a
-bounded time. metrics.jsonl stays the record.
+metrics.jsonl is the record; a tracker run is a mirror of it. `Trackers` hands every line that goes to
+metrics.jsonl to each tracker's own thread, which talks to the tracker. A tracker that is slow, down or refusing
+never holds up a step: its queue is bounded, its first failure is one warning, and `close` waits for it a
+bounded time.
 
-One run per run dir: the tracker's run id is kept in RUN_DIR/trackers.json, and a restart, a resume or a
-rerun after a preemption continues that run (a start over, --no-auto_resume, begins a new one). Resume is bitwise, so a step the restarted job trains again
-has the value the tracker already holds: lines of steps the tracker has (asked of it when the run is
-reopened) are not sent again. A resume on another world size is sample-exact, not bitwise: the tracker keeps
-the first value of such a step, metrics.jsonl both.
+Nothing depends on a clean exit. Whenever a tracker's thread opens its run (each start of the job, and again
+after a failure), it asks the tracker once which steps it has; before the attempt's first line it sends the
+lines of metrics.jsonl the tracker lacks from the steps before that line (what a killed attempt never sent,
+what a failure lost), then goes on live. The lines of an earlier attempt at later steps are not sent from the
+file: this attempt trains those steps again and sends them live.
+
+One run per run dir: RUN_DIR/trackers.json names each tracker's run and the byte where its part of
+metrics.jsonl starts. It is written on the training thread before the attempt's first line, so a restart, a
+resume or a rerun continues that run however early the first attempt died (a start over, --no-auto_resume,
+begins a new run whose record starts at the end of the file). A step the tracker has is never sent again:
+resume is bitwise, so its value is the one the tracker holds; a resume on another world size is sample-exact,
+not bitwise, and there the tracker keeps the first value of such a step, metrics.jsonl both.
 """
 
 from __future__ import annotations
@@ -19,14 +26,14 @@ import logging
 import math
 import os
 import queue
-import struct
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, UsageError
+from ddptrain.observe.metrics import read_metrics
 
 log = logging.getLogger("ddptrain")
 
@@ -35,13 +42,20 @@ EXTRAS = {"mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
 STATE_FILE = "trackers.json"
 SENT_SPLITS = ("train", "eval")  # lines a tracker receives (memory lines are in metrics.jsonl only)
 SKIPPED_FIELDS = ("time", "step", "epoch", "split")
+MLFLOW_BATCH_METRICS = 1000  # the most metrics MLflow takes in one log_batch
 QUEUE_LINES = 10_000
-RETRY_AFTER_S = 30.0  # after a failure, lines are counted as not sent for this long, then sending is tried again
+RETRY_AFTER_S = 30.0  # after a failure, lines are counted as not sent for this long, then the run is reopened
 CLOSE_WAIT_S = 30.0  # how long the end of a run waits for its trackers; 5 s for one that has failed
 
 
-def require_tracker(name: str) -> None:
-    """UsageError naming the pip extra unless tracker `name`'s package imports."""
+# MLflow's stores that are a database (its local default, sqlite:///mlflow.db, among them): the full mlflow
+# package has what they need (SQLAlchemy), mlflow-skinny (ddptrain[mlflow]: a client) has not.
+MLFLOW_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def require_tracker(name: str, cfg: Any) -> None:
+    """UsageError naming the pip extra unless tracker `name`'s package imports; for MLflow, also unless its
+    store can be opened by what is installed."""
     if name not in EXTRAS:
         return
     module, extra = EXTRAS[name]
@@ -49,6 +63,18 @@ def require_tracker(name: str) -> None:
         __import__(module)
     except ImportError:
         raise UsageError(f"--tracker {name} needs the {module} package: pip install 'ddptrain[{extra}]'") from None
+    if name == "mlflow":
+        import mlflow
+
+        uri = cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+        if uri.split(":", 1)[0].split("+", 1)[0] in MLFLOW_DATABASE_SCHEMES:
+            try:
+                import sqlalchemy  # noqa: F401
+            except ImportError:
+                raise UsageError(
+                    f"--tracker mlflow: the store {uri} is a database, which needs the full mlflow package "
+                    "(ddptrain[mlflow] installs mlflow-skinny, a client): pip install mlflow, or pass "
+                    "--mlflow_tracking_uri http://HOST:PORT of a tracking server") from None
 
 
 def numeric_fields(record: dict[str, Any]) -> dict[str, float]:
@@ -59,15 +85,37 @@ def numeric_fields(record: dict[str, Any]) -> dict[str, float]:
             and math.isfinite(value)}
 
 
-class _Worker:
-    """One tracker's thread and queue. The backend's methods run on this thread only."""
+class Backend(Protocol):
+    """One tracker, as a tracker thread drives it (every method runs on that thread)."""
 
-    def __init__(self, backend: Any):
+    name: str
+
+    def open(self) -> None:
+        """Create or continue the run, and ask the tracker once which steps it has. Called again after a
+        failure: it must not make a second run."""
+
+    def lacks(self, record: dict[str, Any]) -> bool:
+        """Whether the tracker lacks this line's step (of its split)."""
+
+    def send(self, records: list[dict[str, Any]]) -> int:
+        """Send the lines the tracker lacks, in order; how many were sent."""
+
+    def close(self, status: str) -> None:
+        """End the run: finished, failed or preempted."""
+
+
+class _Worker:
+    """One tracker's thread and queue."""
+
+    def __init__(self, backend: Backend, record: Path, start_byte: int):
         self.backend, self.name = backend, backend.name
+        self.record, self.start_byte = record, start_byte  # this tracker run's part of metrics.jsonl
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_LINES)
         self.sent = self.lost = 0
         self._failed = False
         self._retry_at = 0.0
+        self._behind = True  # the run is to be (re)opened and caught up from metrics.jsonl before the next line
+        self._earlier: list[dict[str, Any]] | None = None  # lines of metrics.jsonl the tracker lacks, once opened
         self._thread = threading.Thread(target=self._run, name=f"ddptrain-tracker-{self.name}", daemon=True)
         self._thread.start()
 
@@ -80,25 +128,50 @@ class _Worker:
 
     def _failure(self, what: str) -> None:
         self._retry_at = time.monotonic() + RETRY_AFTER_S
+        self._behind = True  # lines are lost from here on: the reopen after RETRY_AFTER_S catches them up
         if not self._failed:
             self._failed = True
-            log.warning("tracker %s: %s; training goes on without it (metrics.jsonl has every line; the lines "
-                        "not sent are counted at the end)", self.name, what)
+            log.warning("tracker %s: %s; training goes on without it (metrics.jsonl has every line; the tracker "
+                        "is sent the lines it lacks when it answers again)", self.name, what)
 
     def _run(self) -> None:
-        opened = self._call(self.backend.open)
+        self._behind = not self._call(self._open)
         while True:
             kind, payload = self._queue.get()
-            if not opened and time.monotonic() >= self._retry_at:
-                opened = self._call(self.backend.open)
+            if self._behind and time.monotonic() >= self._retry_at:
+                self._behind = not self._call(self._open)
             if kind == "close":
-                if opened:
-                    self._call(self.backend.close, payload)
+                if not self._behind:
+                    self._call(self._close, payload)
                 return
-            if opened and time.monotonic() >= self._retry_at and self._call(self.backend.log, payload):
+            if not self._behind and self._call(self._send_live, payload):
                 self.sent += 1
             else:
                 self.lost += 1
+
+    def _open(self) -> None:
+        self.backend.open()
+        earlier = read_metrics(self.record, self.start_byte) if self.record.exists() else []
+        self._earlier = [r for r in earlier if r.get("split") in SENT_SPLITS and self.backend.lacks(r)]
+
+    def _send_live(self, record: dict[str, Any]) -> None:
+        if self._earlier is not None:
+            # The first line since the run was opened: the lines before it that the tracker lacks go first. Lines
+            # from its step on are this attempt's to send (it trains again what an earlier attempt did past its
+            # checkpoint); at its own step only its own split's line is.
+            split, step = record["split"], record["step"]
+            self._catch_up([r for r in self._earlier if r["step"] < step or (r["step"] == step and r["split"] != split)])
+        self.backend.send([record])
+
+    def _catch_up(self, records: list[dict[str, Any]]) -> None:
+        self._earlier = None
+        if records:
+            log.info("tracker %s: sent %d lines of metrics.jsonl it lacked", self.name, self.backend.send(records))
+
+    def _close(self, status: str) -> None:
+        if self._earlier is not None:  # not one line in this attempt: the record is all there is to mirror
+            self._catch_up(self._earlier)
+        self.backend.close(status)
 
     def _call(self, fn: Any, *args: Any) -> bool:
         try:
@@ -123,11 +196,20 @@ class Trackers:
     """The run's trackers (rank 0). `log` takes a metrics line; `close(status)` ends their runs."""
 
     def __init__(self, names: list[str], run_dir: Path, cfg: Any, tags: dict[str, str]):
-        self._workers: list[_Worker] = []
         backends = {"mlflow": MlflowBackend, "wandb": WandbBackend}
-        for name in names:
-            if name in backends:  # tensorboard is written by MetricSinks beside metrics.jsonl
-                self._workers.append(_Worker(backends[name](run_dir, cfg, tags)))
+        names = [name for name in names if name in backends]  # tensorboard is written by MetricSinks
+        record = run_dir / "metrics.jsonl"
+        state = _read_state(run_dir)
+        # Which run each tracker mirrors is settled here, on the training thread, before this attempt writes a
+        # line: a kill at any later point finds it in trackers.json, and the run's record starts at that byte.
+        known = {name: state[name] for name in names if cfg.auto_resume and state.get(name)}
+        start_byte = record.stat().st_size if record.exists() else 0
+        new = {name: {backends[name].ID_KEY: uuid.uuid4().hex[:12], "start_byte": start_byte}
+               for name in names if name not in known}
+        if new:
+            _write_state(run_dir, {**state, **new})
+        self._workers = [_Worker(backends[name](run_dir, cfg, tags, entry), record, entry.get("start_byte", 0))
+                         for name, entry in {**known, **new}.items()]
 
     def __bool__(self) -> bool:
         return bool(self._workers)
@@ -143,8 +225,8 @@ class Trackers:
         for worker in self._workers:
             worker.close(status, deadline)
             if worker.lost:
-                log.info("tracker %s: %d lines sent, %d not sent (metrics.jsonl has them)", worker.name, worker.sent,
-                         worker.lost)
+                log.info("tracker %s: %d lines sent, %d not sent (metrics.jsonl has them; the next start sends "
+                         "them)", worker.name, worker.sent, worker.lost)
 
 
 def _read_state(run_dir: Path) -> dict[str, Any]:
@@ -160,12 +242,6 @@ def _write_state(run_dir: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, run_dir / STATE_FILE)
 
 
-def resume_from(run_dir: Path, tracker: str, cfg: Any) -> dict[str, Any] | None:
-    """This run dir's tracker run to continue (its trackers.json entry), or None for a new one."""
-    known = _read_state(run_dir).get(tracker)
-    return known if known and cfg.auto_resume else None
-
-
 class MlflowBackend:
     """MLflow through its client: MLFLOW_TRACKING_URI (or --mlflow_tracking_uri), MLFLOW_EXPERIMENT_NAME (or
     --mlflow_experiment). Params: the resolved config, when the run is created. Metrics: each line's numbers at
@@ -173,67 +249,104 @@ class MlflowBackend:
     ddptrain.status=preempted."""
 
     name = "mlflow"
+    ID_KEY = "run_key"  # trackers.json: the tag that finds the run, set before the run exists
     STATUS = {"finished": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
 
-    def __init__(self, run_dir: Path, cfg: Any, tags: dict[str, str]):
-        self.run_dir, self.cfg, self.tags = run_dir, cfg, tags
-        self.sent_upto: dict[str, int] = {}  # split -> the last step the server has
+    def __init__(self, run_dir: Path, cfg: Any, tags: dict[str, str], entry: dict[str, Any]):
+        self.run_dir, self.cfg, self.tags, self.entry = run_dir, cfg, tags, entry
+        self.client: Any = None
+        self.has: dict[str, set[int]] = {}  # split -> the steps the server has
 
     def open(self) -> None:
         # A tracker that does not answer costs this thread, not training: fail in seconds, not MLflow's minutes.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        import mlflow
-        from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
         uri = self.cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
-        self.client = client = MlflowClient(tracking_uri=uri)
-        known = resume_from(self.run_dir, "mlflow", self.cfg)
-        if known:  # a restart, resume or rerun of this run dir's job: its run
-            self.run_id = known["run_id"]
-            client.update_run(self.run_id, status="RUNNING")
-            for split in SENT_SPLITS:
-                history = client.get_metric_history(self.run_id, f"{split}/loss")
-                self.sent_upto[split] = max((m.step for m in history), default=-1)
-            log.info("mlflow: continuing run %s (the server has train steps up to %d)", self.run_id,
-                     self.sent_upto["train"])
-            return
+        self.client = MlflowClient(tracking_uri=uri)
+        if not self.entry.get("run_id"):
+            self._find_or_create()
+        else:
+            self.client.update_run(self.entry["run_id"], status="RUNNING")
+        self.has = self._steps_on_server()
+        log.info("mlflow: run %s (the server has %d train and %d eval lines)", self.entry["run_id"],
+                 len(self.has["train"]), len(self.has["eval"]))
+
+    def _find_or_create(self) -> None:
+        from mlflow.entities import Param, RunTag
+
+        client, key = self.client, self.entry[self.ID_KEY]
         experiment_name = self.cfg.mlflow_experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "ddptrain"
         experiment = client.get_experiment_by_name(experiment_name)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(experiment_name)
-        run = client.create_run(experiment_id, run_name=self.cfg.tracker_run_name or self.run_dir.name,
-                                tags={"ddptrain.run_dir": str(self.run_dir.resolve()), **self.tags})
-        self.run_id = run.info.run_id
-        _write_state(self.run_dir, {**_read_state(self.run_dir), "mlflow": {
-            "tracking_uri": uri or mlflow.get_tracking_uri(),
-            "experiment_id": experiment_id, "run_id": self.run_id}})
-        params = [Param(key, str(value)[:6000]) for key, value in sorted(self.cfg.to_dict().items())]
+        # An attempt killed between creating the run and saving its id left the run tagged with the key.
+        found = client.search_runs([experiment_id], filter_string=f"tags.`ddptrain.run_key` = '{key}'",
+                                   max_results=1)
+        if found:
+            run_id = found[0].info.run_id
+            client.update_run(run_id, status="RUNNING")
+        else:
+            run_id = client.create_run(experiment_id, run_name=self.cfg.tracker_run_name or self.run_dir.name,
+                                       tags={"ddptrain.run_key": key, "ddptrain.run_dir": str(self.run_dir.resolve()),
+                                             **self.tags}).info.run_id
+        # Params again for a found run: it may have died between its batches (MLflow accepts an equal value).
+        params = [Param(name, str(value)[:6000]) for name, value in sorted(self.cfg.to_dict().items())]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-            client.log_batch(self.run_id, params=params[start:start + 100])
-        client.log_batch(self.run_id, tags=[RunTag("ddptrain.status", "running")])
-        log.info("mlflow: run %s in experiment %r", self.run_id, experiment_name)
+            client.log_batch(run_id, params=params[start:start + 100])
+        client.log_batch(run_id, tags=[RunTag("ddptrain.status", "running")])
+        self.entry.update(run_id=run_id, experiment_id=experiment_id, tracking_uri=client.tracking_uri)
+        _write_state(self.run_dir, {**_read_state(self.run_dir), "mlflow": self.entry})
+        log.info("mlflow: run %s in experiment %r", run_id, experiment_name)
 
-    def log(self, record: dict[str, Any]) -> None:
+    def _steps_on_server(self) -> dict[str, set[int]]:
+        """split -> the steps of its lines the server has: the steps of every metric of the split (a line whose
+        loss was not finite has none)."""
+        run_id, has = self.entry["run_id"], {split: set() for split in SENT_SPLITS}
+        for key in self.client.get_run(run_id).data.metrics:
+            split = key.split("/", 1)[0]
+            if split in has:
+                has[split].update(m.step for m in self.client.get_metric_history(run_id, key))
+        return has
+
+    def lacks(self, record: dict[str, Any]) -> bool:
+        return int(record["step"]) not in self.has[record["split"]]
+
+    def send(self, records: list[dict[str, Any]]) -> int:
         from mlflow.entities import Metric
 
-        split, step = record["split"], int(record["step"])
-        if step <= self.sent_upto.get(split, -1):
-            return  # a step trained again after a restart: the server has its (bitwise equal) value
-        stamp = int(record.get("time", time.time()) * 1000)
-        metrics = [Metric(key, value, stamp, step) for key, value in numeric_fields(record).items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
-        self.sent_upto[split] = step
+        batch: list[Metric] = []
+        steps: list[tuple[str, int]] = []
+        sent = 0
+        for record in (r for r in records if self.lacks(r)):
+            stamp = int(record.get("time", time.time()) * 1000)
+            metrics = [Metric(key, value, stamp, int(record["step"])) for key, value in numeric_fields(record).items()]
+            if len(batch) + len(metrics) > MLFLOW_BATCH_METRICS:
+                sent += self._flush(batch, steps)
+            batch += metrics
+            steps.append((record["split"], int(record["step"])))
+        return sent + self._flush(batch, steps)
+
+    def _flush(self, batch: list, steps: list[tuple[str, int]]) -> int:
+        if batch:
+            self.client.log_batch(self.entry["run_id"], metrics=batch)
+        for split, step in steps:
+            self.has[split].add(step)
+        sent = len(steps)
+        batch.clear()
+        steps.clear()
+        return sent
 
     def close(self, status: str) -> None:
         from mlflow.entities import RunTag
 
+        run_id = self.entry["run_id"]
         if status == "finished" and self.cfg.tracker_log_model:
             for name in ("model.safetensors", "config.toml"):
                 if (self.run_dir / name).is_file():
-                    self.client.log_artifact(self.run_id, str(self.run_dir / name))
-        self.client.log_batch(self.run_id, tags=[RunTag("ddptrain.status", status)])
-        self.client.set_terminated(self.run_id, status=self.STATUS[status])
+                    self.client.log_artifact(run_id, str(self.run_dir / name))
+        self.client.log_batch(run_id, tags=[RunTag("ddptrain.status", status)])
+        self.client.set_terminated(run_id, status=self.STATUS[status])
 
 
 class WandbBackend:
@@ -241,44 +354,47 @@ class WandbBackend:
     WANDB_ENTITY, WANDB_API_KEY; --wandb_project overrides the project). Its files go to RUN_DIR/wandb/; with
     WANDB_MODE=offline they are all there is until `wandb sync`. Config: the resolved config and the tags.
     History: each line's numbers at its step. Exit: 0 finished, 1 failed, 75 preempted (marked preempting);
-    the summary's ddptrain/status says which."""
+    the summary's ddptrain/status says which.
+
+    Online, W&B resumes the run itself (resume="allow", the same id): `run.step` is the step after the last it
+    has. Offline, each attempt writes a folder of its own that starts empty, and is sent the whole record:
+    W&B's files of earlier attempts are never read (their format is W&B's own, and a crash may have damaged
+    them)."""
 
     name = "wandb"
+    ID_KEY = "run_id"  # trackers.json: W&B takes the id a run is created with
     EXIT_CODES = {"finished": 0, "failed": EXIT_FAILURE, "preempted": EXIT_PREEMPTED}
 
-    def __init__(self, run_dir: Path, cfg: Any, tags: dict[str, str]):
-        self.run_dir, self.cfg, self.tags = run_dir, cfg, tags
-        self.sent_upto: dict[str, int] = {}
+    def __init__(self, run_dir: Path, cfg: Any, tags: dict[str, str], entry: dict[str, Any]):
+        self.run_dir, self.cfg, self.tags, self.run_id = run_dir, cfg, tags, entry[self.ID_KEY]
+        self.run: Any = None
+        self.first_step = 0  # W&B has every step before it
+        self.sent: dict[str, set[int]] = {split: set() for split in SENT_SPLITS}
 
     def open(self) -> None:
         import wandb
 
-        known = resume_from(self.run_dir, "wandb", self.cfg)
-        run_id = known["run_id"] if known else uuid.uuid4().hex[:12]
-        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False)
-        self.run = wandb.init(
-            project=self.cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "ddptrain", id=run_id,
-            name=self.cfg.tracker_run_name or self.run_dir.name, dir=str(self.run_dir), resume="allow",
-            config=None if known else {**self.cfg.to_dict(), **self.tags}, settings=settings, reinit="create_new")
-        if not known:
-            _write_state(self.run_dir, {**_read_state(self.run_dir), "wandb": {
-                "run_id": run_id, "project": self.run.project, "mode": "offline" if self.run.offline else "online"}})
-            log.info("wandb: run %s in project %r (%s)", run_id, self.run.project,
+        if self.run is None:  # a reopen after a failure keeps the attempt's run (and its one folder)
+            settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False)
+            self.run = wandb.init(
+                project=self.cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "ddptrain", id=self.run_id,
+                name=self.cfg.tracker_run_name or self.run_dir.name, dir=str(self.run_dir), resume="allow",
+                config={**self.cfg.to_dict(), **self.tags}, settings=settings, reinit="create_new")
+            log.info("wandb: run %s in project %r (%s)", self.run_id, self.run.project,
                      "offline: RUN_DIR/wandb/" if self.run.offline else self.run.url)
-            return
-        # The steps W&B has: the server's next step online; offline, this run dir's earlier offline runs.
-        if self.run.offline:
-            self.sent_upto = wandb_history_steps(self.run_dir, run_id, exclude=Path(self.run.dir).parent)
-        else:
-            self.sent_upto = dict.fromkeys(SENT_SPLITS, self.run.step - 1)
-        log.info("wandb: continuing run %s (it has train steps up to %d)", run_id, self.sent_upto.get("train", -1))
+        self.first_step = 0 if self.run.offline else self.run.step
 
-    def log(self, record: dict[str, Any]) -> None:
-        split, step = record["split"], int(record["step"])
-        if step <= self.sent_upto.get(split, -1):
-            return  # a step trained again after a restart: W&B has its (bitwise equal) value
-        self.run.log(numeric_fields(record), step=step)
-        self.sent_upto[split] = step
+    def lacks(self, record: dict[str, Any]) -> bool:
+        step = int(record["step"])
+        return step >= self.first_step and step not in self.sent[record["split"]]
+
+    def send(self, records: list[dict[str, Any]]) -> int:
+        sent = 0
+        for record in (r for r in records if self.lacks(r)):
+            self.run.log(numeric_fields(record), step=int(record["step"]))
+            self.sent[record["split"]].add(int(record["step"]))
+            sent += 1
+        return sent
 
     def close(self, status: str) -> None:
         import wandb
@@ -293,61 +409,3 @@ class WandbBackend:
         if status == "preempted":
             self.run.mark_preempting()
         self.run.finish(exit_code=self.EXIT_CODES[status])
-
-
-# W&B's run files (RUN_DIR/wandb/*-<id>/run-<id>.wandb) are a LevelDB-style log of protobuf records: a 7-byte
-# file header, then 32 KiB blocks of chunks, each with a 7-byte header (crc32, length, type: full, first,
-# middle, last); a block's tail shorter than a chunk header is zero padding.
-_WANDB_HEADER, _WANDB_BLOCK, _CHUNK = b":W&B", 32 * 1024, struct.Struct("<IHB")
-
-
-def wandb_records(path: Path):
-    """The records of one W&B run file as `wandb_internal_pb2.Record`s, up to the last complete one."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    if not data.startswith(_WANDB_HEADER):
-        return
-    pos, pending = 7, b""
-    while pos + _CHUNK.size <= len(data):
-        left = _WANDB_BLOCK - pos % _WANDB_BLOCK
-        _, length, kind = _CHUNK.unpack_from(data, pos)
-        if left < _CHUNK.size or (length == 0 and kind == 0):
-            pos += left  # padding up to the next block
-            continue
-        chunk = data[pos + _CHUNK.size:pos + _CHUNK.size + length]
-        if len(chunk) < length:
-            return  # a record still being written
-        pos += _CHUNK.size + length
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            yield record
-
-
-def wandb_run_files(run_dir: Path, run_id: str) -> list[Path]:
-    """This run's W&B run files in RUN_DIR/wandb/, oldest first (one per attempt)."""
-    return sorted(path for path in (run_dir / "wandb").glob(f"*-{run_id}/run-{run_id}.wandb")
-                  if not path.parent.is_symlink())
-
-
-def wandb_rows(path: Path) -> list[dict[str, Any]]:
-    """The history rows of one W&B run file, values decoded."""
-    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            for record in wandb_records(path) if record.WhichOneof("record_type") == "history"]
-
-
-def wandb_history(run_dir: Path, run_id: str, exclude: Path | None = None) -> list[dict[str, Any]]:
-    """Every history row of the run's files in RUN_DIR/wandb/ (all attempts, oldest first)."""
-    return [row for path in wandb_run_files(run_dir, run_id) if path.parent != exclude for row in wandb_rows(path)]
-
-
-def wandb_history_steps(run_dir: Path, run_id: str, exclude: Path | None = None) -> dict[str, int]:
-    """split -> the last step of its lines in the run's local files."""
-    upto: dict[str, int] = {}
-    for row in wandb_history(run_dir, run_id, exclude):
-        for split in SENT_SPLITS:
-            if any(key.startswith(f"{split}/") for key in row):
-                upto[split] = max(upto.get(split, -1), int(row["_step"]))
-    return upto
