@@ -278,9 +278,10 @@ def test_the_best_checkpoint_is_kept_apart_from_retention_through_a_restart(tmp_
     """--keep_best loss in mode max: the eval loss falls as the model learns, so the best is the first eval's,
     at step 2. Not a save step (every 4) and outside --keep_last 1, step 2's checkpoint is CHECKPOINT_DIR/best,
     also after rank 1 is killed at step 5 and the restart resumes from step 4 (a restart that forgot the best
-    value would keep step 6's); exported, its weights are bitwise a reference run's step-2 checkpoint's."""
+    value would keep step 6's); exported, its weights are bitwise a reference run's step-2 checkpoint's. With
+    --load_best_at_end the run's final weights are those too, not step 8's."""
     ref, run = tmp_path / "ref", tmp_path / "run"
-    proc = train(run, *BEST, "--strategy", strategy, "--max_restarts", "1", nproc=2,
+    proc = train(run, *BEST, "--strategy", strategy, "--max_restarts", "1", "--load_best_at_end", nproc=2,
                  env={"DDPTRAIN_FAULT": "rank=1,step=5,kind=sigkill"})
     assert_restarted(proc, run, from_step=4)
     losses = {r["step"]: r["loss"] for r in metrics(run, "eval")}
@@ -293,6 +294,8 @@ def test_the_best_checkpoint_is_kept_apart_from_retention_through_a_restart(tmp_
         exported = run_cli(["export", str(source), str(out)])
         assert exported.returncode == 0, exported.stderr
     assert_bitwise_equal(weights(tmp_path / "best.safetensors"), weights(tmp_path / "ref.safetensors"))
+    assert_bitwise_equal(weights(run / "model.safetensors"), weights(tmp_path / "ref.safetensors"))
+    assert "the final weights are those of" in (run / "logs" / "rank-0.log").read_text()
 
 
 @pytest.mark.parametrize("fault", ["leftover-tmp-file", "enospc-once"])
@@ -330,10 +333,11 @@ def test_a_best_checkpoint_that_could_never_be_kept_fails_the_finished_run_and_k
 def test_a_best_chosen_by_an_ema_metric_holds_the_average_and_says_so(tmp_path, strategy):
     """--keep_best ema_loss: the average scored the metric, so best/ is the average's. best/best.json names the
     step, metric and weights ("ema"); `ddptrain export` of best/ gives the average at that step, bitwise the
-    model_ema.safetensors of a run that ended there; `--weights trained` still gives the trained weights."""
+    model_ema.safetensors of a run that ended there; `--weights trained` still gives the trained weights. With
+    --load_best_at_end the run's final weights (and its model_ema) are that average."""
     run, ref = tmp_path / "run", tmp_path / "ref"
     ema = ["--ema_decay", "0.9", "--ema_eval", "--strategy", strategy]
-    train(run, *[a if a != "loss" else "ema_loss" for a in BEST], *ema, nproc=2)
+    train(run, *[a if a != "loss" else "ema_loss" for a in BEST], *ema, "--load_best_at_end", nproc=2)
     about = json.loads((run / "checkpoints" / "best" / "best.json").read_text())
     assert about["metric"] == "ema_loss" and about["weights"] == "ema", about
     step = about["step"]
@@ -347,6 +351,9 @@ def test_a_best_chosen_by_an_ema_metric_holds_the_average_and_says_so(tmp_path, 
                        "trained"])
     assert trained.returncode == 0, trained.stderr
     assert_bitwise_equal(weights(tmp_path / "t.safetensors"), weights(ref / "model.safetensors"))
+    assert step < 8
+    for final in ("model.safetensors", "model_ema.safetensors"):
+        assert_bitwise_equal(weights(run / final), weights(ref / "model_ema.safetensors"))
 
 
 def test_a_best_owed_when_a_worker_died_is_made_best_by_the_restarted_run(tmp_path):

@@ -128,6 +128,8 @@ BAD_INPUT = {
     "channels_last on CPU": (["--channels_last"], {}, "--channels_last"),
     "nccl on CPU": (["--backend", "nccl"], {}, "--backend nccl"),
     "bad value under --nproc": (["--nproc", "2", "--momentum", "-1"], {}, "--momentum"),
+    "load_best_at_end without keep_best": (["--load_best_at_end"], {}, "--load_best_at_end loads the checkpoint "
+                                           "--keep_best keeps, which is off; set --keep_best"),
 }
 CUDA_ONLY_ERRORS = ("sync_batchnorm on CPU", "fp16 on CPU", "nccl on CPU", "channels_last on CPU")
 

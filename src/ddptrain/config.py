@@ -212,6 +212,10 @@ class TrainConfig:
                          group="evaluation and stopping")
     keep_best_mode: str = opt("min", "--keep_best: whether lower or higher values of the metric are better",
                               choices=("min", "max"), group="evaluation and stopping")
+    load_best_at_end: bool = opt(False, "--keep_best: the final weights (model.safetensors, RUN_DIR/hf, RUN_DIR/adapter, "
+                                 "model_ema.safetensors) are the best checkpoint's, not the last step's; the weights "
+                                 "best/best.json names (the average for an ema_ metric)",
+                                 group="evaluation and stopping")
     ema_decay: float = opt(0.0, "keep an exponential moving average of the parameters with this decay (e.g. 0.999; "
                             "0 = off), saved in checkpoints and exported as RUN_DIR/model_ema.safetensors", min=0.0,
                             group="evaluation and stopping")
@@ -358,6 +362,9 @@ class TrainConfig:
                              "(e.g. 8)")
         if self.ema_decay >= 1.0:
             raise UsageError(f"--ema_decay {self.ema_decay}: must be below 1 (0.999 averages over ~1000 steps; 0 is off)")
+        if self.load_best_at_end and not self.keep_best:
+            raise UsageError("--load_best_at_end loads the checkpoint --keep_best keeps, which is off; set --keep_best "
+                             "(e.g. loss)")
         if self.ema_eval and not self.ema_decay:
             raise UsageError("--ema_eval evaluates the moving average of --ema_decay, which is off; set --ema_decay "
                              "(e.g. 0.999)")

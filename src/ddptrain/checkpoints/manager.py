@@ -314,6 +314,19 @@ class CheckpointManager:
         if error is not None:
             raise TrainingError(error)
 
+    def read_best(self, model_state: dict[str, torch.Tensor]) -> Loaded | None:
+        """best/, read and verified on every rank (None where the run kept none); TrainingError naming it where
+        a rank cannot read it. All ranks."""
+        path = self.directory / BEST
+        if self.ctx.broadcast_object(manifest_step(path) if self.ctx.is_main else None) is None:
+            return None
+        loaded, bad = self._read_agreed(path, model_state)
+        if bad:
+            rank, why = bad[0]
+            raise TrainingError(f"--load_best_at_end: cannot read {path} on rank {rank}: {why}; the last step's "
+                                "weights are in the newest checkpoint (ddptrain export)")
+        return loaded
+
     def purge(self, keep_step: int) -> None:
         """Delete committed checkpoints beyond `keep_last` and stale partial dirs. Rank 0; never raises.
 

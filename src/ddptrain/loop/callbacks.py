@@ -325,3 +325,26 @@ class EMA(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._pending = state["shadow"]
+
+    def restore_now(self, state: Any, rank0_state: Any) -> bool:
+        """A checkpoint's average (this rank's saved state; rank 0's where a replica saved SAME_AS_RANK_0) into
+        the running one now, mid-run. False, changing nothing, where it has none or its shards are another world
+        size's."""
+        import torch
+
+        if isinstance(state, str) and state == SAME_AS_RANK_0:
+            state = rank0_state
+        mine = self._locals(self.shadow)
+        saved = state.get("shadow") if isinstance(state, dict) else None
+        if saved is None or [tuple(t.shape) for t in saved] != [tuple(t.shape) for t in mine]:
+            return False
+        with torch.no_grad():
+            torch._foreach_copy_(mine, [t.to(m.device) for t, m in zip(saved, mine)])
+        return True
+
+    def copy_to(self, module: Any) -> None:
+        """The average into `module`'s parameters, for good."""
+        import torch
+
+        with torch.no_grad():
+            torch._foreach_copy_(self._locals([p.detach() for p in module.parameters()]), self._locals(self.shadow))

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 import ddptrain
-from ddptrain.checkpoints.format import Position, changed_settings_error, safetensors_bytes, write_atomic
+from ddptrain.checkpoints.format import (BEST_ABOUT, Position, changed_settings_error, read_json, safetensors_bytes,
+                                         write_atomic)
 from ddptrain.checkpoints.manager import CheckpointManager
 from ddptrain.config import TrainConfig, parse_duration, parse_trackers, setting_changes
 from ddptrain.data.batch import to_device
@@ -281,6 +282,9 @@ class Trainer(CheckpointedState):
             self.save()
             self._wait_for_checkpoint()
         bar.close()
+        if cfg.load_best_at_end:
+            self.checkpoints.confirm_best()  # best/ committed before its weights become the final ones
+            self._load_best()
         self._export_weights()
         self.checkpoints.confirm_best()  # after the weights: a best/ that could not be made fails a finished run
         if self.ctx.is_main:  # every rank is past the last collective: a signal from here on finds a complete run
@@ -578,6 +582,35 @@ class Trainer(CheckpointedState):
                             f"{ranks or 'none'}); stopping as --on_nonfinite stop asks")
 
     # --- the end ---------------------------------------------------------------------------------
+    def _load_best(self) -> None:
+        """--load_best_at_end: best/'s weights into the model (and its average into the EMA), so that the final
+        weights are the best step's; where best/ holds the average (an ema_ metric), the model gets that. All
+        ranks."""
+        loaded = self.checkpoints.read_best(self.checkpointed(self.module.state_dict()))
+        if loaded is None:
+            if self.ctx.is_main:
+                log.warning("--load_best_at_end: no evaluation made a best checkpoint; the final weights are the "
+                            "last step's (%d)", self.position.step)
+            return
+        self.load_weights(loaded)  # the optimizer's too: the run is over, only the weights are written from here
+        rngs = loaded.trainer["rng"]
+        same_world = loaded.position.world_size == self.ctx.world_size
+        own = rngs[self.ctx.rank] if same_world else rngs[0]
+        about = read_json(loaded.path / BEST_ABOUT) or {}
+        if self.ema is not None:
+            restored = self.ema.restore_now(own.get("callbacks", {}).get(self.ema.name),
+                                            rngs[0].get("callbacks", {}).get(self.ema.name))
+            if not all(self.ctx.all_gather_object(restored)):  # sharded on another world size: not here
+                raise TrainingError(f"--load_best_at_end: the average in {loaded.path} was sharded for "
+                                    f"{loaded.position.world_size} processes, this run has {self.ctx.world_size}: "
+                                    "export it with `ddptrain export --weights ema`")
+            if about.get("weights") == "ema":
+                self.ema.copy_to(self.module)
+        if self.ctx.is_main:
+            log.info("--load_best_at_end: the final weights are those of %s (step %d, %s %s, %s weights)",
+                     loaded.path, loaded.position.step, about.get("metric"), about.get("value"),
+                     about.get("weights", "trained"))
+
     def _export_weights(self) -> None:
         """RUN_DIR/model.safetensors, for a transformers model RUN_DIR/hf/ (save_pretrained), with --ema_decay
         RUN_DIR/model_ema.safetensors. All ranks."""

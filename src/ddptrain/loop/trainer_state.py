@@ -90,6 +90,16 @@ class CheckpointedState:
                              "gives now (its fingerprint differs); resume with the model it was trained on, or "
                              "start fresh (--no-auto_resume or another --run_dir)")
 
+    def load_weights(self, loaded: Loaded) -> None:
+        """`loaded`'s model and optimizer state into the model and optimizer, whatever the layouts. All ranks."""
+        if loaded.shards is None and not self.parallel.sharded:  # full -> ddp: whole tensors, no DCP
+            self.module.load_state_dict(loaded.model, strict=not self.frozen)  # the frozen part: as built
+            self.optimizer.load_state_dict(loaded.optimizer)
+        else:
+            from ddptrain.checkpoints import shards
+
+            shards.load_into(self.module, self.optimizer, loaded, self.checkpoints.group, self.frozen)
+
     def restore(self, loaded: Loaded) -> None:
         """Put `loaded`'s state into the trainer: model, optimizer state under the config's settings, schedule,
         scaler, metric window, position, this rank's RNG streams and stream position. All ranks."""
@@ -105,13 +115,7 @@ class CheckpointedState:
                       for group in self.optimizer.param_groups]
         if self.frozen:
             self._check_frozen(loaded)
-        if loaded.shards is None and not self.parallel.sharded:  # full -> ddp: whole tensors, no DCP
-            self.module.load_state_dict(loaded.model, strict=not self.frozen)  # the frozen part: as built
-            self.optimizer.load_state_dict(loaded.optimizer)
-        else:
-            from ddptrain.checkpoints import shards
-
-            shards.load_into(self.module, self.optimizer, loaded, self.checkpoints.group, self.frozen)
+        self.load_weights(loaded)
         self._optimizer_stepped = bool(self.optimizer.state)
         for group, wanted in zip(self.optimizer.param_groups, configured):
             changed = {k: (group.get(k), v) for k, v in wanted.items()
