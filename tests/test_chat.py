@@ -170,6 +170,7 @@ def test_lora_on_chat_records_on_two_processes_learns_what_one_process_learns(to
     train(tmp_path / "two", *job, "--batch_size", "4", "--grad_accum_steps", "2", nproc=2, timeout=300)
     assert_close_weights(weights(tmp_path / "one" / "model.safetensors"),
                          weights(tmp_path / "two" / "model.safetensors"), rel=1e-5)
+    assert (tmp_path / "two" / "adapter" / "tokenizer.json").is_file(), "the tokenizer beside the adapter"
     losses = [json.loads(line)["loss"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
               if json.loads(line).get("split") == "train"]
     assert losses[-1] < losses[0], losses

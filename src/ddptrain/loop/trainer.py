@@ -632,6 +632,7 @@ class Trainer(CheckpointedState):
                          safetensors_bytes(self.checkpointed(state), metadata={"step": str(self.position.step)}))
             if self.frozen:
                 lora.save_adapter(self.module, state, self.run_dir / lora.ADAPTER_DIR)
+                hf.copy_tokenizer(self.cfg, self.run_dir / lora.ADAPTER_DIR)  # base + adapter + tokenizer: all it takes
             elif hf.is_transformers(self.module):
                 hf.save_pretrained(self.cfg, state, self.run_dir / hf.HF_DIR, self.module)
         if self.ema is not None:
