@@ -61,6 +61,8 @@ def require(package: str, flag: str) -> Any:
         raise UsageError(f"{flag} needs the {package} package: pip install 'ddptrain[hf]'") from None
     if package == "datasets":
         module.disable_progress_bars()  # bars on stderr for each split and map: ddptrain logs one line instead
+    if package == "transformers":  # "Loading weights" / "Writing model shards" bars from every rank, between lines
+        module.utils.logging.disable_progress_bar()
     return module
 
 
