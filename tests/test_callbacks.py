@@ -296,6 +296,10 @@ def test_the_best_checkpoint_is_kept_apart_from_retention_through_a_restart(tmp_
     assert_bitwise_equal(weights(tmp_path / "best.safetensors"), weights(tmp_path / "ref.safetensors"))
     assert_bitwise_equal(weights(run / "model.safetensors"), weights(tmp_path / "ref.safetensors"))
     assert "the final weights are those of" in (run / "logs" / "rank-0.log").read_text()
+    from safetensors import safe_open
+
+    with safe_open(str(run / "model.safetensors"), "pt") as final:
+        assert final.metadata()["step"] == "2", "the file says whose weights it holds"
 
 
 @pytest.mark.parametrize("fault", ["leftover-tmp-file", "enospc-once"])

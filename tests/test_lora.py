@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, assert_close_weights, assert_restarted, last_committed, one_line_error, \
+from helpers import assert_bitwise_equal, assert_close_weights, assert_restarted, last_committed, metrics, one_line_error, \
     run_cli, train, weights
 
 transformers = pytest.importorskip("transformers")
@@ -154,3 +154,17 @@ def test_lora_under_fsdp_trains_what_one_process_trains_and_resumes_on_another_w
     assert "resuming from" in (tmp_path / "one" / "logs" / "rank-0.log").read_text()
     assert_close_weights(weights(whole / "model.safetensors"), weights(tmp_path / "one" / "model.safetensors"),
                          rel=1e-5)
+
+
+def test_lora_on_a_bf16_base_under_fsdp_learns_and_peft_loads_its_adapter(base, tmp_path):
+    """--param_dtype bf16 with --lora_rank (issue 37 item 1): the frozen base and the adapters are held in bf16, the
+    adapters learn and are saved in bf16, and RUN_DIR/adapter loads onto the base read in bf16."""
+    train(tmp_path, "--model", f"hf:{base}", *LM, *LORA, "--batch_size", "8", "--max_steps", "6", "--strategy", "fsdp",
+          "--param_dtype", "bf16", nproc=2, timeout=300)
+    losses = [row["loss"] for row in metrics(tmp_path, "train")]
+    assert losses[-1] < losses[0], losses
+    adapter = weights(tmp_path / "model.safetensors")
+    assert {t.dtype for t in adapter.values()} == {torch.bfloat16}
+    loaded = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.bfloat16),
+                                            str(tmp_path / "adapter"))
+    assert loaded(input_ids=torch.arange(8)[None]).logits.dtype == torch.bfloat16

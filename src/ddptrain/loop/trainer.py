@@ -282,6 +282,7 @@ class Trainer(CheckpointedState):
             self.save()
             self._wait_for_checkpoint()
         bar.close()
+        self._weights_step = pos.step  # the step of the weights the final files hold
         if cfg.load_best_at_end:
             self.checkpoints.confirm_best()  # best/ committed before its weights become the final ones
             self._load_best()
@@ -593,6 +594,7 @@ class Trainer(CheckpointedState):
                             "last step's (%d)", self.position.step)
             return
         self.load_weights(loaded)  # the optimizer's too: the run is over, only the weights are written from here
+        self._weights_step = loaded.position.step  # the final files' "step" metadata
         rngs = loaded.trainer["rng"]
         same_world = loaded.position.world_size == self.ctx.world_size
         own = rngs[self.ctx.rank] if same_world else rngs[0]
@@ -616,7 +618,7 @@ class Trainer(CheckpointedState):
         RUN_DIR/model_ema.safetensors. All ranks."""
         if self.parallel.sharded and not self.frozen:  # (LoRA's adapters: below)
             # Streamed a tensor at a time: no rank gathers the whole model. RUN_DIR/hf/ in HF's sharded layout.
-            step = {"step": str(self.position.step)}
+            step = {"step": str(self._weights_step)}
             hf_dir = self.run_dir / hf.HF_DIR if hf.is_transformers(self.module) else None
             self.parallel.export(self.run_dir / "model.safetensors", step, hf_dir)
             if hf_dir is not None and self.ctx.is_main:
@@ -629,7 +631,7 @@ class Trainer(CheckpointedState):
         state = self.parallel.state_dict()  # sharded: gathered onto rank 0 (a collective)
         if self.ctx.is_main:
             write_atomic(self.run_dir / "model.safetensors",  # under LoRA: the adapters (the rest is the source's)
-                         safetensors_bytes(self.checkpointed(state), metadata={"step": str(self.position.step)}))
+                         safetensors_bytes(self.checkpointed(state), metadata={"step": str(self._weights_step)}))
             if self.frozen:
                 lora.save_adapter(self.module, state, self.run_dir / lora.ADAPTER_DIR)
                 hf.copy_tokenizer(self.cfg, self.run_dir / lora.ADAPTER_DIR)  # base + adapter + tokenizer: all it takes
@@ -640,7 +642,7 @@ class Trainer(CheckpointedState):
                 averaged = {k: v.clone() for k, v in self.parallel.state_dict().items()}  # copy before swapping back
             if self.ctx.is_main:
                 write_atomic(self.run_dir / "model_ema.safetensors", safetensors_bytes(
-                    averaged, metadata={"step": str(self.position.step), "ema_decay": repr(self.cfg.ema_decay)}))
+                    averaged, metadata={"step": str(self._weights_step), "ema_decay": repr(self.cfg.ema_decay)}))
 
     def close(self) -> None:
         """Stop the loaders' worker processes now. Safe to call twice; a later `fit` would start new ones.
