@@ -249,17 +249,12 @@ class EMA(Callback):
             self.shadow = [p.detach().clone() for p in params]
         if self._pending is not None:
             saved, self._pending = self._pending, None
-            mine = self._locals(self.shadow)
-            if [tuple(t.shape) for t in saved] != [tuple(t.shape) for t in mine]:
+            if not self._take(saved):
                 import logging
 
                 logging.getLogger("ddptrain").warning(
                     "--ema_decay: the checkpoint's average was sharded for another world size; the average "
                     "starts again from the current weights")
-                return
-            with torch.no_grad():
-                for target, value in zip(mine, saved):
-                    target.copy_(value)
 
     def on_step_end(self, run: TrainingRun) -> None:
         import torch
@@ -330,16 +325,21 @@ class EMA(Callback):
         """A checkpoint's average (this rank's saved state; rank 0's where a replica saved SAME_AS_RANK_0) into
         the running one now, mid-run. False, changing nothing, where it has none or its shards are another world
         size's."""
-        import torch
-
         if isinstance(state, str) and state == SAME_AS_RANK_0:
             state = rank0_state
+        return self._take(state.get("shadow") if isinstance(state, dict) else None)
+
+    def _take(self, saved: list[Any] | None) -> bool:
+        """`saved` (a checkpoint's shadow tensors) into this rank's average; False, changing nothing, where there
+        is none or its shapes are another world size's shards."""
+        import torch
+
         mine = self._locals(self.shadow)
-        saved = state.get("shadow") if isinstance(state, dict) else None
         if saved is None or [tuple(t.shape) for t in saved] != [tuple(t.shape) for t in mine]:
             return False
         with torch.no_grad():
-            torch._foreach_copy_(mine, [t.to(m.device) for t, m in zip(saved, mine)])
+            for target, value in zip(mine, saved):
+                target.copy_(value)
         return True
 
     def copy_to(self, module: Any) -> None:
