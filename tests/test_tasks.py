@@ -177,7 +177,8 @@ def test_the_python_api_example_runs_spawned_and_under_torchrun(tmp_path):
 
 @pytest.mark.slow
 def test_the_char_level_lm_config_learns_well_below_the_unigram_baseline(tmp_path):
-    """configs/charlm.toml as docs/tasks.md states it: eval loss 1.64 nats/byte measured; unigram 3.26."""
+    """configs/charlm.toml as docs/tasks.md states it, for its first epoch (the whole schedule over 102 steps; the
+    4 epochs of the config take minutes): eval loss 2.30 nats/byte measured; unigram 3.26."""
     import numpy as np
 
     from ddptrain.data.text import EVAL_FRACTION, pydoc_tokens
@@ -187,10 +188,10 @@ def test_the_char_level_lm_config_learns_well_below_the_unigram_baseline(tmp_pat
     p = counts[counts > 0] / counts.sum()
     assert float(-(p * np.log(p)).sum()) == pytest.approx(3.26, abs=0.005)
     proc = run_cli(["train", "--config", str(REPO / "configs" / "charlm.toml"), "--run_dir", str(tmp_path),
-                    "--no-progress"], timeout=1200)  # 75 s of training alone; 550 s beside the suite's busiest files
+                    "--no-progress", "--epochs", "1"], timeout=600)  # 54 s of training alone
     assert proc.returncode == 0, proc.stderr
     final_eval = metrics(tmp_path, "eval")[-1]
-    assert final_eval["step"] == 408 and final_eval["loss"] <= 1.75, final_eval
+    assert final_eval["step"] == 102 and final_eval["loss"] <= 2.45, final_eval
 
 
 def test_a_bad_task_is_a_usage_error():
