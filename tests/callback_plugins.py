@@ -109,3 +109,14 @@ class RecordProcessName(ddptrain.Callback):
         cmdline = open("/proc/self/cmdline", "rb").read().split(b"\0")[0].decode()
         comm = open("/proc/self/comm").read().strip()
         (run.run_dir / f"process-rank-{run.rank}.json").write_text(json.dumps({"cmdline": cmdline, "comm": comm}))
+
+
+class RecordPeakAtStart(ddptrain.Callback):
+    """Writes RUN_DIR/peak-rank-R.json: this rank's peak resident memory (ru_maxrss, MiB) when training starts,
+    after any resume: what building the model and reading a checkpoint cost, before a step adds to it."""
+
+    def on_train_start(self, run):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+        (run.run_dir / f"peak-rank-{run.rank}.json").write_text(json.dumps({"peak_mib": peak}))

@@ -31,7 +31,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import safetensors.torch
 import torch
@@ -79,6 +79,40 @@ class Snapshot:
     shards: dict[str, Any] | None = None  # sharded layout: this rank's part of model and optimizer (shards.py)
 
 
+class MappedWeights(Mapping):
+    """The tensors of a verified model.safetensors, read from the file when asked for: a whole tensor by name
+    (`weights[name]`, a copy), or only the rows of one (`rows`) — what a rank of a sharded run needs of a full
+    checkpoint, so that no rank reads or holds the whole model."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        try:
+            self._file = safe_open(str(path), framework="pt")
+        except Exception as exc:
+            raise CheckpointError(f"{path.name} does not parse: {exc}") from None
+        self._names = list(self._file.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._file.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(self._file.get_slice(name).get_shape()) for name in self._names}
+
+    def rows(self, name: str, rows: slice) -> torch.Tensor:
+        """Rows `rows` (dim 0) of tensor `name`, read alone; a 0-d tensor whole."""
+        part = self._file.get_slice(name)
+        return part[rows] if part.get_shape() else part[:]
+
+
 @dataclass
 class Loaded:
     """A verified checkpoint: whole `model` and `optimizer` state dicts, or (sharded layout) `shards`, the
@@ -86,7 +120,7 @@ class Loaded:
 
     path: Path
     manifest: dict[str, Any]
-    model: dict[str, torch.Tensor] | None
+    model: dict[str, torch.Tensor] | MappedWeights | None
     optimizer: dict[str, Any] | None
     trainer: dict[str, Any]
     shards: Any = None  # torch.distributed.checkpoint.metadata.Metadata of a sharded checkpoint
@@ -97,7 +131,9 @@ class Loaded:
         return Position(m["step"], m["epoch"], m["cursor"], m["global_batch_size"], m["world_size"])
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Name -> shape of every model tensor, without reading a sharded checkpoint's tensors."""
+        """Name -> shape of every model tensor, without reading a sharded or mapped checkpoint's tensors."""
+        if isinstance(self.model, MappedWeights):
+            return self.model.shapes()
         if self.model is not None:
             return {k: tuple(v.shape) for k, v in self.model.items()}
         return {k[len("model."):]: tuple(v.size) for k, v in self.shards.state_dict_metadata.items()
@@ -323,12 +359,15 @@ def _verify_file(path: Path, entry: dict[str, Any], name: str) -> None:
         raise CheckpointError(f"{name} fails its sha256 check (corrupted)")
 
 
-def _safe_torch_load(data: bytes, name: str, device: torch.device) -> Any:
+def _safe_torch_load(data: bytes | Path, name: str, device: torch.device) -> Any:
     """torch.load restricted to tensors and plain containers: a pickle that names any other callable is
-    refused before anything runs."""
+    refused before anything runs. From a path (verified already), the tensors map the file (copy-on-write):
+    their bytes are read when touched, so a caller that slices a tensor reads only the slice."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # protocol notes from the restricted unpickler are not news
+            if isinstance(data, Path):
+                return torch.load(data, map_location=device, weights_only=True, mmap=True)
             return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
     except Exception as exc:  # UnpicklingError for a hostile or foreign pickle, and any decode error
         text = str(exc)

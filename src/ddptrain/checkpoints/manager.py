@@ -445,7 +445,8 @@ class CheckpointManager:
                 if self.injector is not None:
                     match = STEP_DIR.match(path.name)
                     self.injector.at_load(int(match.group(1)) if match else -1)
-                loaded = read_checkpoint(path, self.ctx.device, share=(self.ctx.rank, self.ctx.world_size))
+                loaded = read_checkpoint(path, self.ctx.device, share=(self.ctx.rank, self.ctx.world_size),
+                                         mapped=self.sharded)
                 _check_fits(loaded.weight_shapes(), model_state)
             except CheckpointError as exc:
                 outcome = ("bad", str(exc))

@@ -54,16 +54,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from ddptrain.checkpoints.format import (
     PEER_FAILED,
     CheckpointError,
     Loaded,
+    MappedWeights,
     _read_verified,
     _safe_torch_load,
     _verify_file,
     file_digest,
 )
+from ddptrain.parallel.materialize import shard_rows
 
 SHARDS = "shards"
 METADATA = f"{SHARDS}/.metadata"
@@ -301,19 +304,13 @@ def load_into(module: nn.Module, optimizer: torch.optim.Optimizer, loaded: Loade
     """Put a checkpoint's model and optimizer state into this run's where DCP is needed; the model tensors
     named in `leave_out` (LoRA's frozen weights, which it does not hold) keep what they are. All ranks.
 
-    full -> fsdp: every rank shards the whole tensors it read. sharded -> any: DCP reads, for each rank,
-    exactly the slices its own tensors cover (resharding to any world size; a ddp rank's tensors are whole).
+    full -> fsdp: each rank reads, of every model and optimizer tensor, the rows its shard holds (the files
+    map: `read_checkpoint(mapped=True)`), with no collective. sharded -> any: DCP reads, for each rank, exactly
+    the slices its own tensors cover (resharding to any world size; a ddp rank's tensors are whole).
     full -> ddp needs none of it (`loop.trainer_state` loads it with load_state_dict).
     """
     if loaded.shards is None:
-        whole = StateDictOptions(full_state_dict=True)
-        # Each tensor is a scatter from rank 0, so every rank must go in the same order: the module's (a
-        # safetensors file's dict comes in an order of its own in each process).
-        kept = {name: loaded.model[name] for name in module.state_dict() if name not in leave_out}
-        set_model_state_dict(module, kept, options=StateDictOptions(full_state_dict=True, strict=not leave_out))
-        if loaded.optimizer["state"]:
-            set_optimizer_state_dict(module, optimizer, _keyed_by_name(module, optimizer, loaded.optimizer),
-                                     options=whole)
+        _load_full_rows(module, optimizer, loaded, leave_out)
         return
     has_optimizer = any(key.startswith("optim.") for key in loaded.shards.state_dict_metadata)
     model_state = {name: value for name, value in get_model_state_dict(module).items() if name not in leave_out}
@@ -328,13 +325,45 @@ def load_into(module: nn.Module, optimizer: torch.optim.Optimizer, loaded: Loade
                                                      "param_groups": loaded.trainer["param_groups"]})
 
 
-def _keyed_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
-    """torch's optimizer.state_dict() numbers parameters in param_groups order; DCP's helpers name them."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    return {"state": {order[i]: value for i, value in saved["state"].items()},
-            "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
-                             for group in saved["param_groups"]]}
+@torch.no_grad()
+def _load_full_rows(module: nn.Module, optimizer: torch.optim.Optimizer, loaded: Loaded,
+                    leave_out: Collection[str]) -> None:
+    """A full checkpoint into a sharded module: every tensor's local part copied from the rows of the saved
+    whole tensor it covers (materialize.shard_rows: FSDP2's dim-0 chunks, hsdp's replicas alike)."""
+    model = loaded.model
+    # state_dict's values share the parameters' storage: writing a local part writes the parameter.
+    for name, target in module.state_dict().items():
+        if name in leave_out:
+            continue
+        rows = shard_rows(target)
+        if isinstance(model, MappedWeights):
+            value = model.rows(name, rows)
+        else:
+            value = model[name][rows] if model[name].dim() else model[name]
+        _local_part(target).copy_(value)
+    saved = loaded.optimizer
+    if not saved["state"]:
+        return
+    # torch numbers an optimizer's state in param_groups order, as it was saved: each tensor the shape of
+    # its parameter becomes that parameter's shard; scalars (Adam's step) stay what they are.
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {index: {key: _shard_like(params[index], value) for key, value in entry.items()}
+             for index, entry in saved["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def _local_part(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _shard_like(param: torch.Tensor, value: Any) -> Any:
+    """`value` (a whole tensor of `param`'s shape) as a tensor laid out as `param` is: its rows copied."""
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape) or not value.dim():
+        return value
+    local = value[shard_rows(param)].to(_local_part(param).device, copy=True)  # a copy: never the mapped file
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
 
 def consolidate(loaded: Loaded) -> dict[str, torch.Tensor]:
