@@ -66,7 +66,7 @@ from ddptrain.checkpoints.format import (
     _verify_file,
     file_digest,
 )
-from ddptrain.parallel.materialize import shard_rows
+from ddptrain.parallel.materialize import local_part, shard_rows
 
 SHARDS = "shards"
 METADATA = f"{SHARDS}/.metadata"
@@ -340,7 +340,7 @@ def _load_full_rows(module: nn.Module, optimizer: torch.optim.Optimizer, loaded:
             value = model.rows(name, rows)
         else:
             value = model[name][rows] if model[name].dim() else model[name]
-        _local_part(target).copy_(value)
+        local_part(target).copy_(value)
     saved = loaded.optimizer
     if not saved["state"]:
         return
@@ -352,15 +352,11 @@ def _load_full_rows(module: nn.Module, optimizer: torch.optim.Optimizer, loaded:
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
-def _local_part(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _shard_like(param: torch.Tensor, value: Any) -> Any:
     """`value` (a whole tensor of `param`'s shape) as a tensor laid out as `param` is: its rows copied."""
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape) or not value.dim():
         return value
-    local = value[shard_rows(param)].to(_local_part(param).device, copy=True)  # a copy: never the mapped file
+    local = value[shard_rows(param)].to(local_part(param).device, copy=True)  # a copy: never the mapped file
     if not isinstance(param, DTensor):
         return local
     return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())

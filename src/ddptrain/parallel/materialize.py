@@ -81,13 +81,14 @@ def shard_rows(tensor: torch.Tensor) -> slice:
     return slice(start, stop)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`: a DTensor's local shard; a plain tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 @torch.no_grad()
 def _put_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
-    _local(target).copy_(full[shard_rows(target)] if full.dim() else full)
+    local_part(target).copy_(full[shard_rows(target)] if full.dim() else full)
 
 
 # --- from a save_pretrained directory ----------------------------------------------------------------
@@ -127,7 +128,7 @@ def fill_from_pretrained(model: nn.Module, directory: Path, put: meta.Put) -> No
             part = handles[path].get_slice(name)
             rows = shard_rows(tensor)
             value = part[rows] if len(part.get_shape()) else part[:]
-            _local(tensor).copy_(value.to(tensor.dtype))
+            local_part(tensor).copy_(value.to(tensor.dtype))
             read.add(id(tensor))
     finally:
         handles.clear()  # safe_open's handles close when dropped

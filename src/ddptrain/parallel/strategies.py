@@ -210,7 +210,7 @@ class ShardedParallel:
                         unsharded = getattr(param, "_unsharded_param", None)  # made by the first all-gather
                         for grad in (param.unsharded_accumulated_grad, getattr(unsharded, "grad", None)):
                             if grad is not None:
-                                held += _local(grad).numel() * grad.element_size()
+                                held += materialize.local_part(grad).numel() * grad.element_size()
         return held
 
     def release(self) -> None:
@@ -338,13 +338,9 @@ def _broadcast_buffers(module: nn.Module) -> None:
         dist.broadcast(buffer, src=0)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def _memory(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
     def size(t: torch.Tensor) -> int:
-        return _local(t).numel() * t.element_size()
+        return materialize.local_part(t).numel() * t.element_size()
 
     params = list(module.parameters())
     states = optimizer.state.values() if optimizer is not None else ()
@@ -359,7 +355,7 @@ def _check_replicas(module: nn.Module, ctx: DistributedContext, replica_of: list
     A fingerprint per local parameter (sum and sum of squares in float64) is gathered on the control group.
     Must be called on all ranks.
     """
-    named = [(n, _local(p)) for n, p in module.named_parameters() if p.requires_grad]
+    named = [(n, materialize.local_part(p)) for n, p in module.named_parameters() if p.requires_grad]
     prints = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()])
                           for _, p in named]).flatten().cpu()
     gathered = ctx.gather_floats(prints.tolist())
