@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-from helpers import REPO, TINY, cli_env, metrics, train, weights
+from helpers import REPO, TINY, assert_close_weights, cli_env, metrics, train, weights
 
 pytestmark = pytest.mark.netns
 
@@ -220,3 +220,28 @@ def test_hsdp_on_two_hosts_trains_what_ddp_trains_and_its_checkpoint_resumes_on_
           "--resume_from", str(run_dir / "checkpoints" / "step-3"), nproc=2)
     again = weights(resumed / "model.safetensors")
     assert max((again[k] - ddp[k]).abs().max().item() for k in ddp) <= 1e-5
+
+
+def test_lora_under_hsdp_on_two_hosts_trains_what_one_process_trains_and_resumes_under_fsdp(hosts, tmp_path):
+    """Issue 37 item 1: LoRA adapters on a frozen Llama, world 4 as a (2 hosts x 2 ranks) hsdp mesh, the same
+    global batch of 32 as one process: the same adapters (1e-5). Its step-2 checkpoint (adapters only, and the
+    frozen base's fingerprint) resumes under fsdp on 2 local ranks, to the same end: the fingerprint counts
+    each shard once, not once per replica, so another layout recognises the base."""
+    pytest.importorskip("peft")
+    from test_lora import LM, LORA, llama
+
+    base = llama(tmp_path / "llama")
+    job = ["--model", f"hf:{base}", *LM, *LORA, "--num_workers", "0", "--no-progress", "--log_interval", "1"]
+    whole, hsdp, resumed = tmp_path / "whole", tmp_path / "hsdp", tmp_path / "resumed"
+    for rank, node in enumerate(hosts):
+        start(node, ["train", *TINY, *job, "--batch_size", "8", "--strategy", "hsdp", "--save_every_steps", "2",
+                     "--keep_last", "0", "--run_dir", str(hsdp)], **static_env(hosts, rank))
+    for node in hosts:
+        assert finish(node) == 0, node.output()
+    assert "hsdp over mesh (2, 2)" in (hsdp / "logs" / "rank-0.log").read_text()
+    train(whole, *job, "--batch_size", "32", timeout=300)
+    assert_close_weights(weights(whole / "model.safetensors"), weights(hsdp / "model.safetensors"), rel=1e-5)
+    train(resumed, *job, "--batch_size", "16", "--strategy", "fsdp", "--resume_from",
+          str(hsdp / "checkpoints" / "step-2"), nproc=2, timeout=300)
+    assert "resuming from" in (resumed / "logs" / "rank-0.log").read_text()
+    assert_close_weights(weights(whole / "model.safetensors"), weights(resumed / "model.safetensors"), rel=1e-5)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate
 
 from ddptrain.config import TrainConfig
 from ddptrain.errors import UsageError
@@ -137,15 +138,26 @@ def read_adapter_config(directory: Path) -> dict[str, Any]:
 def fingerprint(module: nn.Module, names: list[str]) -> list[list[float]]:
     """Per frozen tensor of `names` (in that order): [sum, sum of squares] in float64 over this rank's part of it
     (a sharded tensor's local shard; the caller adds the ranks' parts). What a checkpoint of adapters records of
-    the weights it was trained on, and a resume checks the rebuilt model against."""
+    the weights it was trained on, and a resume checks the rebuilt model against. Under hsdp only the first
+    replica's ranks count their shards (the others hold copies), so the sum is the same on every layout."""
     state = module.state_dict()
     out = []
     for name in names:
         value = state[name]
+        if not _first_replica(value):
+            out.append([0.0, 0.0])
+            continue
         value = value.to_local() if hasattr(value, "to_local") else value
         value = value.detach().to(torch.float64)
         out.append([value.sum().item(), value.square().sum().item()])
     return out
+
+
+def _first_replica(tensor: torch.Tensor) -> bool:
+    """Whether this rank holds `tensor`'s part in the first of its replicas (a plain tensor: yes)."""
+    placements = getattr(tensor, "placements", ())
+    return all(not isinstance(p, Replicate) or tensor.device_mesh.get_local_rank(dim) == 0
+               for dim, p in enumerate(placements))
 
 
 def same_weights(saved: list[list[float]], now: list[list[float]]) -> bool:
