@@ -215,6 +215,8 @@ def test_hsdp_on_two_hosts_trains_what_ddp_trains_and_its_checkpoint_resumes_on_
     assert max((hsdp[k] - ddp[k]).abs().max().item() for k in ddp) <= 1e-5
     log = (run_dir / "logs" / "rank-0.log").read_text()
     assert "hsdp over mesh (2, 2)" in log and "replicas identical across 4 ranks" in log
+    # Built on the meta device: each rank filled the rows of its shard, the same in both replicas.
+    assert "hsdp: built on the meta device, each rank's shards filled from the init of seed" in log
     resumed = tmp_path / "resumed"
     train(resumed, "--max_steps", "6", "--grad_accum_steps", "2",
           "--resume_from", str(run_dir / "checkpoints" / "step-3"), nproc=2)
