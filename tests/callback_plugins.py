@@ -111,12 +111,25 @@ class RecordProcessName(ddptrain.Callback):
         (run.run_dir / f"process-rank-{run.rank}.json").write_text(json.dumps({"cmdline": cmdline, "comm": comm}))
 
 
-class RecordPeakAtStart(ddptrain.Callback):
+class RecordPeak(ddptrain.Callback):
     """Writes RUN_DIR/peak-rank-R.json: this rank's peak resident memory (ru_maxrss, MiB) when training starts,
-    after any resume: what building the model and reading a checkpoint cost, before a step adds to it."""
+    after any resume (what building the model and reading a checkpoint cost); after each step ("step": the
+    last one's); and when it ends, after the final weights were written."""
 
-    def on_train_start(self, run):
+    def __init__(self):
+        self.peaks = {}
+
+    def _record(self, run, when):
         import resource
 
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-        (run.run_dir / f"peak-rank-{run.rank}.json").write_text(json.dumps({"peak_mib": peak}))
+        self.peaks[when] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+        (run.run_dir / f"peak-rank-{run.rank}.json").write_text(json.dumps(self.peaks))
+
+    def on_train_start(self, run):
+        self._record(run, "start")
+
+    def on_step_end(self, run):
+        self._record(run, "step")
+
+    def on_train_end(self, run, summary):
+        self._record(run, "end")

@@ -149,8 +149,8 @@ WIDE_MIB = (3 * 32 * 32 * 4096 + 4096 + 4096 * 10 + 10) * 4 / 2**20
 
 
 def peak_mib(run_dir: Path) -> float:
-    """The most any rank held when training started (callback_plugins.RecordPeakAtStart), in MiB."""
-    return max(json.loads(path.read_text())["peak_mib"] for path in run_dir.glob("peak-rank-*.json"))
+    """The most any rank held when training started (callback_plugins.RecordPeak), in MiB."""
+    return max(json.loads(path.read_text())["start"] for path in run_dir.glob("peak-rank-*.json"))
 
 
 def test_a_full_checkpoint_resumes_under_fsdp_with_each_rank_reading_its_own_rows(tmp_path):
@@ -160,7 +160,7 @@ def test_a_full_checkpoint_resumes_under_fsdp_with_each_rank_reading_its_own_row
     model (each file's bytes and their tensors at once). The resumed run trains on to the weights of one that
     never stopped."""
     job = [*WIDE, "--max_steps", "2", "--strategy", "fsdp", "--batch_size", "2",  # the global batch stays 4
-           "--callbacks", "callback_plugins:RecordPeakAtStart"]
+           "--callbacks", "callback_plugins:RecordPeak"]
     train(tmp_path / "ddp", *WIDE, "--max_steps", "1", "--save_every_steps", "1", timeout=400)
     step_1 = tmp_path / "ddp" / "checkpoints" / "step-1"
     train(tmp_path / "fresh", *job, nproc=2, timeout=400)

@@ -628,7 +628,7 @@ class Trainer(CheckpointedState):
                     self.parallel.export(self.run_dir / "model_ema.safetensors",
                                          {**step, "ema_decay": repr(self.cfg.ema_decay)})
             return
-        state = self.parallel.state_dict()  # sharded: gathered onto rank 0 (a collective)
+        state = self.parallel.state_dict(self.frozen)  # sharded: gathered onto rank 0 (LoRA: the adapters only)
         if self.ctx.is_main:
             write_atomic(self.run_dir / "model.safetensors",  # under LoRA: the adapters (the rest is the source's)
                          safetensors_bytes(self.checkpointed(state), metadata={"step": str(self._weights_step)}))
@@ -639,7 +639,7 @@ class Trainer(CheckpointedState):
                 hf.save_pretrained(self.cfg, state, self.run_dir / hf.HF_DIR, self.module)
         if self.ema is not None:
             with self.ema.swapped_in(self.module):  # a replica's state dict holds the parameters themselves:
-                averaged = {k: v.clone() for k, v in self.parallel.state_dict().items()}  # copy before swapping back
+                averaged = {k: v.clone() for k, v in self.parallel.state_dict(self.frozen).items()}  # copy before swap
             if self.ctx.is_main:
                 write_atomic(self.run_dir / "model_ema.safetensors", safetensors_bytes(
                     averaged, metadata={"step": str(self._weights_step), "ema_decay": repr(self.cfg.ema_decay)}))

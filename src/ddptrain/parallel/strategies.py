@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.distributed as dist
@@ -71,9 +71,10 @@ class DataParallel:
         if self.ddp is not None:
             _broadcast_buffers(self.module)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state, as rank 0 checkpoints and exports it (call `sync_buffers` first). All ranks."""
-        return self.module.state_dict()
+    def state_dict(self, leave_out: Collection[str] = ()) -> dict[str, torch.Tensor]:
+        """The model's state less the tensors named in `leave_out`, as rank 0 checkpoints and exports it (call
+        `sync_buffers` first). All ranks."""
+        return {name: value for name, value in self.module.state_dict().items() if name not in leave_out}
 
     def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes this rank holds of parameters, gradients and optimizer state."""
@@ -172,11 +173,22 @@ class ShardedParallel:
         if self.ctx.world_size > 1:
             _broadcast_buffers(self.module)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model, gathered onto rank 0's CPU (other ranks get {}). All ranks."""
+    def state_dict(self, leave_out: Collection[str] = ()) -> dict[str, torch.Tensor]:
+        """The model less the tensors named in `leave_out`, gathered onto rank 0's CPU (other ranks get {}). All
+        ranks. With `leave_out` (LoRA's frozen base) only the rest is gathered, a tensor at a time, so that
+        exporting adapters never brings the whole base to one rank."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not leave_out:
+            return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        gathered, leave_out = {}, set(leave_out)
+        for name, value in self.module.state_dict().items():  # the same order on every rank: one gather each
+            if name in leave_out:
+                continue
+            whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+            if self.ctx.is_main:
+                gathered[name] = whole.detach().cpu().clone()
+        return gathered
 
     def export(self, path: Path, metadata: dict[str, str], hf_dir: Path | None = None) -> None:
         """The whole model's weights into `path` (and HF's sharded layout into `hf_dir`), gathered one tensor at
