@@ -149,6 +149,13 @@ def test_seeding_is_skipped_only_where_the_reading_class_promises_it():
     shape = dict(num_classes=10, channels=1, image_size=4, seed=0)
     assert not draws_from_global_rngs(SyntheticImages(8, **shape))
     assert draws_from_global_rngs(JitterDataset())
+    # torch's datasets that only index draw nothing, nor do their Subset/ConcatDataset; a wrapped drawer does.
+    tensors = torch.utils.data.TensorDataset(torch.arange(8.0), torch.arange(8))
+    assert not draws_from_global_rngs(tensors)
+    assert not draws_from_global_rngs(torch.utils.data.Subset(tensors, [1, 3]))
+    assert not draws_from_global_rngs(torch.utils.data.ConcatDataset([tensors, SyntheticImages(8, **shape)]))
+    assert draws_from_global_rngs(torch.utils.data.Subset(JitterDataset(), [0]))
+    assert draws_from_global_rngs(torch.utils.data.ConcatDataset([tensors, JitterDataset()]))
     jittered = SeededSamples(JitteredSynthetic(8, **shape), seed=11)
     assert jittered.seeded, "an overriding __getitem__ must not inherit its parent's promise"
     first = jittered[(0, 3)][1][0]

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorDataset, get_worker_info
 
 from ddptrain.config import TEXT_DATASETS, TrainConfig, load_plugin
 from ddptrain.data.batch import _rebuild
@@ -434,12 +434,20 @@ def _exit_with_trainer() -> None:
 
 
 def draws_from_global_rngs(dataset: Dataset) -> bool:
-    """False only where the class that implements `__getitem__` itself declares `uses_global_rng = False`.
+    """False only where the class that implements `__getitem__` itself declares `uses_global_rng = False`, or is
+    one of torch's own that only index: `TensorDataset`, and `Subset`/`ConcatDataset` of datasets that draw
+    nothing.
 
     The declaration is a promise about that one method: a subclass that overrides `__getitem__` (to add
     augmentation, say) does not inherit it and is seeded per sample unless it declares it again.
     """
     owner = next((cls for cls in type(dataset).__mro__ if "__getitem__" in vars(cls)), type(dataset))
+    if owner is TensorDataset:
+        return False
+    if owner is Subset:
+        return draws_from_global_rngs(dataset.dataset)
+    if owner is ConcatDataset:
+        return any(draws_from_global_rngs(part) for part in dataset.datasets)
     return vars(owner).get("uses_global_rng", True) is not False
 
 
