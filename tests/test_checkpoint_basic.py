@@ -99,3 +99,20 @@ def test_a_ddp_process_does_not_import_sharded_checkpointing():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=cli_env(), timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_mapped_model_file_reads_rows_of_each_tensor_and_0_d_tensors_whole(tmp_path: Path):
+    """What a rank of a sharded run reads of a full checkpoint's model.safetensors (MappedWeights): the rows its
+    shard holds, or a whole tensor; a 0-d tensor (a scalar parameter, a step count) has no rows to slice."""
+    from safetensors.torch import save_file
+
+    from ddptrain.checkpoints.format import MappedWeights
+
+    saved = {"scale": torch.tensor(2.5), "weight": torch.arange(12.0).view(4, 3), "bias": torch.arange(4.0)}
+    save_file(saved, str(tmp_path / "model.safetensors"))
+    mapped = MappedWeights(tmp_path / "model.safetensors")
+    assert set(mapped) == set(saved) and mapped.shapes() == {k: tuple(v.shape) for k, v in saved.items()}
+    assert torch.equal(mapped.rows("weight", slice(2, 4)), saved["weight"][2:4])
+    assert torch.equal(mapped.rows("bias", slice(None)), saved["bias"])
+    assert torch.equal(mapped.rows("scale", slice(None)), saved["scale"])
+    assert torch.equal(mapped["weight"], saved["weight"])

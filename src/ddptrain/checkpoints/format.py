@@ -40,6 +40,7 @@ import ddptrain
 from ddptrain.config import setting_changes, to_toml
 from ddptrain.errors import UsageError
 from ddptrain.faults import FaultInjector
+from ddptrain.parallel.materialize import read_rows
 
 FORMAT = "ddptrain-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -109,8 +110,7 @@ class MappedWeights(Mapping):
 
     def rows(self, name: str, rows: slice) -> torch.Tensor:
         """Rows `rows` (dim 0) of tensor `name`, read alone; a 0-d tensor whole."""
-        part = self._file.get_slice(name)
-        return part[rows] if part.get_shape() else part[:]
+        return read_rows(self._file.get_slice(name), rows)
 
 
 @dataclass

@@ -86,6 +86,12 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def read_rows(part: Any, rows: slice) -> torch.Tensor:
+    """Rows `rows` (dim 0) of a safetensors slice (`safe_open(...).get_slice(name)`), read alone; a 0-d tensor
+    whole (a slice of rows cannot be applied to it)."""
+    return part[rows] if part.get_shape() else part[...]
+
+
 @torch.no_grad()
 def _put_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
     local_part(target).copy_(full[shard_rows(target)] if full.dim() else full)
@@ -125,9 +131,7 @@ def fill_from_pretrained(model: nn.Module, directory: Path, put: meta.Put) -> No
             path = files[name]
             if path not in handles:
                 handles[path] = safe_open(path, framework="pt")
-            part = handles[path].get_slice(name)
-            rows = shard_rows(tensor)
-            value = part[rows] if len(part.get_shape()) else part[:]
+            value = read_rows(handles[path].get_slice(name), shard_rows(tensor))
             local_part(tensor).copy_(value.to(tensor.dtype))
             read.add(id(tensor))
     finally:
