@@ -63,6 +63,15 @@ def accepts(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
 
 
 def serve(address: str) -> None:
+    """Serve launches on the socket at `address` until stdin closes (the session ended, cleanly or not: an xdist
+    worker leaves without running its atexit), then remove the socket's directory."""
+    try:
+        _serve(address)
+    finally:
+        shutil.rmtree(os.path.dirname(address), ignore_errors=True)
+
+
+def _serve(address: str) -> None:
     import importlib
 
     started_with = dict(os.environ)
