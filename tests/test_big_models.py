@@ -49,14 +49,15 @@ def models(tmp_path_factory) -> Path:
 
 def test_fsdp_builds_on_meta_and_each_rank_fills_its_shards_with_the_whole_builds_values_bitwise(models, tmp_path):
     """Built-ins and transformers models, from a seeded init or from weights (one file, or several and an
-    index; tied; a classification head the file lacks): gathered, every tensor equals the whole build's."""
+    index; tied; a classification head the file lacks; with LoRA's adapters): gathered, every tensor equals the
+    whole build's."""
     report_path = tmp_path / "report.json"
     proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                        str(REPO / "tests" / "worker_meta_init.py"), str(report_path), str(models)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(report_path.read_text())
     save = report.pop("save")
-    assert len(report) == 8
+    assert len(report) == 11
     for case, found in report.items():
         assert found == {"meta": True, "differ": []}, case
     assert save["files"] == ["config.json", "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",

@@ -136,12 +136,15 @@ def test_export_merge_writes_the_base_with_the_adapters_merged_for_from_pretrain
 
 
 def test_lora_under_fsdp_trains_what_one_process_trains_and_resumes_on_another_world_size(base, whole, tmp_path):
-    """FSDP2 over a frozen base: 2 processes equal 1 (1e-5); the sharded checkpoint holds the adapters only (no
+    """FSDP2 over a frozen base built on the meta device: 2 processes equal 1 (1e-5); the sharded checkpoint holds the adapters only (no
     frozen tensor in its index), and a 1-process ddp run continues it from step 2 (the fingerprint of the frozen
     weights summed over the shards matches the whole tensors')."""
     job = ["--model", f"hf:{base}", *LM, *LORA, "--save_every_steps", "2", "--keep_last", "0"]
     train(tmp_path / "two", *job, "--batch_size", "8", "--grad_accum_steps", "2", "--strategy", "fsdp", nproc=2,
           timeout=300)
+    # The base read into each rank's shards, the adapters' init replayed: no rank built the whole model.
+    assert "fsdp: built on the meta device, each rank's shards filled from" in (
+        tmp_path / "two" / "logs" / "rank-0.log").read_text()
     assert_close_weights(weights(whole / "model.safetensors"), weights(tmp_path / "two" / "model.safetensors"),
                          rel=1e-5)
     step_2 = tmp_path / "two" / "checkpoints" / "step-2"

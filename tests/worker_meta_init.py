@@ -1,5 +1,6 @@
 """Builds models as `--strategy fsdp` does (on the meta device, sharded, each rank filling its own shards) and
-compares every tensor, gathered, with the model built whole on the CPU as `--strategy ddp` does.
+compares every tensor, gathered, with the model built whole on the CPU as `--strategy ddp` does (LoRA's
+adapters and frozen base included).
 
 Run under torchrun with 2 processes (gloo):
 
@@ -67,6 +68,9 @@ def main() -> None:
         "gpt2_weights": {"model": f"hf:{models / 'gpt2_weights'}", **lm},
         "gpt2_classifier": {"model": f"hf:{models / 'gpt2_weights'}", "task": "classification", "num_classes": 3},
     }
+    lora = {"lora_rank": 4, "lora_alpha": 8.0}  # the base built or read, then the adapters' seeded init
+    for case in ("mlp", "llama_config", "llama_index"):
+        cases[f"{case}_lora"] = {**cases[case], **lora}
     report = {}
     for case, flags in cases.items():
         module, on_meta = sharded(flags, mesh)

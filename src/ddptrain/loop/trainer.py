@@ -101,9 +101,7 @@ class Trainer(CheckpointedState):
     def _build_model(self, parts: Parts, train_ds: Any) -> None:
         """The model, identical on every rank (DDP would broadcast rank 0's anyway), then its strategy's wrapper."""
         cfg, ctx, device = self.cfg, self.ctx, self.ctx.device
-        self.module = module = instantiate(cfg, parts.model, device)
-        if cfg.lora_rank:
-            self.module = module = lora.apply(module, cfg)  # under the model's seed: the adapters' init too
+        self.module = module = instantiate(cfg, parts.model, device)  # LoRA's adapters injected too
         # What checkpoints leave out (frozen under LoRA: the model's source has it), and its fingerprint.
         self.frozen = lora.frozen_names(module) if lora.is_lora(module) else []
         self._frozen_fingerprint: list[list[float]] | None = None

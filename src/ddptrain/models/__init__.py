@@ -9,6 +9,7 @@ May import: the contracts at the top (config, errors). Nothing else in ddptrain.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Iterator
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from ddptrain.config import TrainConfig, load_plugin
 from ddptrain.errors import UsageError
+from ddptrain.models import lora, meta
 
 
 def _norm(kind: str, channels: int) -> nn.Module:
@@ -152,9 +154,9 @@ BUILT_IN = ("mini_resnet", "mlp", "gpt")
 def meta_buildable(cfg: TrainConfig) -> bool:
     """Whether `--model` is built on the meta device: under fsdp/hsdp, a built-in or a transformers model from a
     local directory (a config.json, or safetensors weights), whose init or weights parallel/materialize.py
-    fills shard by shard. The rest (plug-ins, hub names, .bin weights, LoRA, SyncBatchNorm, channels_last) is
-    built whole on every rank, then sharded."""
-    if cfg.strategy not in ("fsdp", "hsdp") or cfg.sync_batchnorm or cfg.channels_last or cfg.lora_rank:
+    fills shard by shard, LoRA's adapters included. The rest (plug-ins, hub names, .bin weights, SyncBatchNorm,
+    channels_last) is built whole on every rank, then sharded."""
+    if cfg.strategy not in ("fsdp", "hsdp") or cfg.sync_batchnorm or cfg.channels_last:
         return False
     if cfg.model.startswith("hf:"):
         from ddptrain.models import hf
@@ -188,14 +190,14 @@ def build_model(cfg: TrainConfig, on_meta: bool = False) -> nn.Module:
 def instantiate(cfg: TrainConfig, model: nn.Module | Callable[[TrainConfig], nn.Module] | None,
                 device: torch.device) -> nn.Module:
     """The run's module on `device`: `model` itself, `model(cfg)`, or `--model`'s, built after seeding with
-    --seed so that init is identical on every rank; SyncBatchNorm and channels_last as the config asks."""
+    --seed so that init is identical on every rank; SyncBatchNorm and channels_last as the config asks; then
+    LoRA's adapters (--lora_rank), whose init draws next from the same seeded RNG."""
     torch.manual_seed(cfg.seed)
+    adapt = functools.partial(lora.apply, cfg=cfg) if cfg.lora_rank else None
     if model is None and meta_buildable(cfg):
         # Sharded: no tensor of it is allocated until each rank fills its own shards after fully_shard
         # (parallel/materialize.py replays this seeded init there, per module).
-        from ddptrain.models import meta
-
-        built = meta.build(lambda: build_model(cfg, on_meta=True))
+        built = meta.build(lambda: build_model(cfg, on_meta=True), adapt)
         if built is not None:
             return built
         torch.manual_seed(cfg.seed)
@@ -208,7 +210,7 @@ def instantiate(cfg: TrainConfig, model: nn.Module | Callable[[TrainConfig], nn.
         module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if cfg.channels_last:
         module = module.to(memory_format=torch.channels_last)
-    return module
+    return adapt(module) if adapt is not None else module
 
 
 @contextlib.contextmanager

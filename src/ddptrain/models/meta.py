@@ -9,6 +9,11 @@ that record again on full-size CPU tensors, one tensor at a time (post_init: one
 so the RNG makes the same draws and each tensor ends with the value the whole build gives it; the caller's
 `put` keeps what it needs (a rank: its shard) and the rest is freed.
 
+A model may be adapted after it is built (LoRA's adapters injected: `build(construct, adapt)`). The record
+keeps the two phases apart: `replay(..., adapted_only=True)` replays the adaptation's draws alone, for a model
+whose own weights are read from files (from_pretrained draws nothing), and `stored_names` maps each tensor
+the model had before it was adapted to the name it had then (the name its weights are stored under).
+
 A construction that writes a meta tensor from another tensor's values (a `copy_` from a computed meta tensor)
 cannot be replayed: `build` returns None and the caller builds the model whole.
 
@@ -49,13 +54,20 @@ class _Op:
 
 @dataclass
 class Tape:
-    """What construction did, in order: `_Op`s and post_init markers (the PreTrainedModel whose ran)."""
+    """What construction did, in order: `_Op`s and post_init markers (the PreTrainedModel whose ran, and the ids
+    of its modules then: what is added to it later was not in its init)."""
 
     steps: list[Any] = field(default_factory=list)
     names: dict[int, str] = field(default_factory=dict)  # root id -> its name in the built model (if still there)
+    built_steps: int = 0  # steps[:built_steps] built the model, the rest adapted it
+    stored_names: dict[str, str] = field(default_factory=dict)  # name now -> name before adaptation
     replayable: bool = True
     reason: str = ""
     keep: list[torch.Tensor] = field(default_factory=list)  # the meta tensors whose ids the steps name
+
+
+# In-place by name, but they write no value (LoRA's `apply` freezes the base with requires_grad_).
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_"})
 
 
 class _Recorder(TorchFunctionMode):
@@ -78,7 +90,7 @@ class _Recorder(TorchFunctionMode):
             root, index = self.views.get(id(target), (target, ()))
             self.views[id(out)] = (root, (*index, args[1]))
             self.tape.keep.append(out)
-        elif name.endswith("_") and not name.startswith("__"):
+        elif name.endswith("_") and not name.startswith("__") and name not in _NOT_WRITES:
             rest = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, torch.Tensor)]
             if any(a.is_meta for a in rest):
                 self.tape.replayable = False
@@ -102,7 +114,7 @@ def _post_init_marked(tape: Tape) -> Iterator[None]:
 
     def marked(model: Any) -> None:
         original(model)
-        tape.steps.append(model)
+        tape.steps.append((model, frozenset(id(sub) for sub in model.modules())))
 
     PreTrainedModel.post_init = marked
     try:
@@ -111,27 +123,52 @@ def _post_init_marked(tape: Tape) -> Iterator[None]:
         PreTrainedModel.post_init = original
 
 
-def build(construct: Callable[[], nn.Module]) -> nn.Module | None:
-    """`construct()` under the meta device, its init recorded for `replay`; None if it cannot be replayed."""
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def build(construct: Callable[[], nn.Module],
+          adapt: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module | None:
+    """`adapt(construct())` (or `construct()`) under the meta device, its init recorded for `replay`; None if it
+    cannot be replayed."""
     tape = Tape()
     with torch.device("meta"), _post_init_marked(tape), _Recorder(tape):
         module = construct()
+        tape.built_steps = len(tape.steps)
+        built_as = {id(tensor): name for name, tensor in _tensors(module)}
+        if adapt is not None:
+            module = adapt(module)
     if not tape.replayable:
         log.info("model built whole: its construction cannot be replayed per shard (%s)", tape.reason)
         return None
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+    for name, tensor in _tensors(module):
         tape.names.setdefault(id(tensor), name)
+        if id(tensor) in built_as:
+            tape.stored_names[name] = built_as[id(tensor)]
     _TAPES[module] = tape
     return module
 
 
+def stored_names(module: nn.Module) -> dict[str, str]:
+    """Of a model `build` made: each tensor's name -> its name before `adapt` (the name its weights are stored
+    under); tensors that adaptation added are not in it."""
+    return dict(_TAPES[module].stored_names)
+
+
+def adapted(module: nn.Module) -> bool:
+    """Whether the adaptation of a model `build` made drew or filled anything."""
+    tape = _TAPES[module]
+    return len(tape.steps) > tape.built_steps
+
+
 @torch.no_grad()
-def replay(module: nn.Module, put: Put) -> None:
+def replay(module: nn.Module, put: Put, adapted_only: bool = False) -> None:
     """Every tensor of `module` (built by `build`, its tensors since materialized, sharded or not) given the
     value the whole build after the same seed gives it, through `put`. Seed the global RNG first as that
-    build was. Tensors are computed whole on the CPU, one at a time."""
+    build was. Tensors are computed whole on the CPU, one at a time. `adapted_only`: the adaptation's steps
+    alone, as they run after a construction that draws nothing (the model's own tensors are left alone)."""
     tape = _TAPES[module]
-    current = dict([*module.named_parameters(), *module.named_buffers()])
+    current = dict(_tensors(module))
     done: set[int] = set()
     scratch_root: int | None = None
     scratch: torch.Tensor | None = None
@@ -141,7 +178,7 @@ def replay(module: nn.Module, put: Put) -> None:
         if name is not None:
             put(current[name], scratch)
 
-    for step in tape.steps:
+    for step in tape.steps[tape.built_steps:] if adapted_only else tape.steps:
         if isinstance(step, _Op):
             if step.root != scratch_root:
                 flush()
@@ -153,8 +190,9 @@ def replay(module: nn.Module, put: Put) -> None:
             continue
         flush()
         scratch_root = scratch = None
-        post_init(step, lambda sub: id(sub) not in done, put)
-        done.update(id(sub) for sub in step.modules())
+        model, members = step
+        post_init(model, lambda sub: id(sub) in members and id(sub) not in done, put)
+        done.update(members)
     flush()
 
 

@@ -10,6 +10,8 @@ Two sources:
   its shard covers (`safe_open(...).get_slice(name)[rows]`), from one file or the files an
   `model.safetensors.index.json` names; a tied tensor is read once. What the files lack (non-persistent
   buffers such as rotary frequencies, a new classification head) is initialised as from_pretrained does.
+  A model adapted after it was built (LoRA) has its own tensors read under the names they had before (peft
+  moves a layer's weight to `....base_layer.weight`), then the adaptation's seeded init replayed alone.
 
 The whole-model path stays for what cannot be replayed this way (a plug-in `pkg.mod:fn` model, a hub name,
 .bin weights): see `models.meta_buildable`.
@@ -39,11 +41,14 @@ def materialize(module: nn.Module, device: torch.device, seed: int, source: Path
     or from the init seeded with `seed`. Needs no collective: each rank computes or reads its own part."""
     to_empty(module, device)
     put = _put_local_part
-    if source is not None:
-        fill_from_pretrained(module, source, put)
-    else:
+    if source is None:
         torch.manual_seed(seed)  # as `models.instantiate` seeds the whole-model build
         meta.replay(module, put)
+        return
+    fill_from_pretrained(module, source, put, meta.stored_names(module))
+    if meta.adapted(module):
+        torch.manual_seed(seed)  # from_pretrained draws nothing: the adapters' init starts from the seed
+        meta.replay(module, put, adapted_only=True)
 
 
 def to_empty(module: nn.Module, device: torch.device) -> None:
@@ -116,36 +121,41 @@ def weight_files(directory: Path) -> dict[str, Path] | None:
 
 
 @torch.no_grad()
-def fill_from_pretrained(model: nn.Module, directory: Path, put: meta.Put) -> None:
+def fill_from_pretrained(model: nn.Module, directory: Path, put: meta.Put, stored_as: dict[str, str]) -> None:
     """Each rank reads the rows of each tensor its shards hold; then transformers' init of what the files
-    lack (as from_pretrained does: modules whose tensors were all read are skipped)."""
+    lack (as from_pretrained does: modules whose tensors were all read are skipped). `stored_as`: the tensors
+    to fill (name -> its name in the files); the rest are left to the caller."""
     from safetensors import safe_open
 
     files = weight_files(directory) or {}
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    filled = {id(tensor) for name, tensor in tensors if name in stored_as}
     read: set[int] = set()
     handles: dict[Path, Any] = {}
     try:
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name not in files or id(tensor) in read:
+        for name, tensor in tensors:
+            stored = stored_as.get(name)
+            if stored not in files or id(tensor) in read:
                 continue
-            path = files[name]
+            path = files[stored]
             if path not in handles:
                 handles[path] = safe_open(path, framework="pt")
-            value = read_rows(handles[path].get_slice(name), shard_rows(tensor))
+            value = read_rows(handles[path].get_slice(stored), shard_rows(tensor))
             local_part(tensor).copy_(value.to(tensor.dtype))
             read.add(id(tensor))
     finally:
         handles.clear()  # safe_open's handles close when dropped
-    missing = [n for n, t in model.named_parameters() if id(t) not in read]
+    missing = [stored_as[n] for n, t in model.named_parameters() if id(t) in filled and id(t) not in read]
     if missing:
         log.warning("%s holds no %s: initialised fresh, as from_pretrained does", directory, ", ".join(missing))
     # from_pretrained marks what it read as initialised: transformers' guarded init skips it.
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) in read:
             tensor._is_hf_initialized = True
+    unread = filled - read
     pending = {id(sub) for sub in model.modules()
-               if any(t is not None and id(t) not in read for t in [*sub._parameters.values(), *sub._buffers.values()])}
-    meta.post_init(model, lambda sub: id(sub) in pending, put, keep=lambda tensor: id(tensor) not in read)
+               if any(t is not None and id(t) in unread for t in [*sub._parameters.values(), *sub._buffers.values()])}
+    meta.post_init(model, lambda sub: id(sub) in pending, put, keep=lambda tensor: id(tensor) in unread)
     for tensor in [*model.parameters(), *model.buffers()]:
         if hasattr(tensor, "_is_hf_initialized"):
             del tensor._is_hf_initialized
