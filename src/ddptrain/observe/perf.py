@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 log = logging.getLogger("ddptrain")
@@ -63,6 +66,18 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+@contextlib.contextmanager
+def _values_unknown(device: torch.device) -> Iterator[Callable[[Any], Any]]:
+    """For a model on the meta device, torch's FakeTensorMode, and what makes a batch's tensors fake: a forward
+    over meta tensors fails where the model tests a value (transformers' mask checks call `.item()`), and
+    transformers skips those tests on fake tensors, as when tracing. Elsewhere, nothing."""
+    if device.type != "meta":
+        yield lambda value: value
+        return
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        yield lambda value: fake.from_tensor(value) if isinstance(value, torch.Tensor) else value
+
+
 def task_flops_per_sample(module: nn.Module, task: Any, dataset: Any, device: torch.device,
                           collate: Callable[[list[tuple[int, Any]]], tuple[list[int], Any]]) -> float:
     """`train_flops` of the task's forward on the dataset's first sample, made a batch by the training loader's
@@ -82,7 +97,9 @@ def task_flops_per_sample(module: nn.Module, task: Any, dataset: Any, device: to
     try:
         _, batch = collate([(0, dataset[0])])
         batch = to_device(batch, device)
-        flops = train_flops(module, lambda: task.loss(module, batch))
+        with _values_unknown(device) as as_fake:
+            batch = tree_map(as_fake, batch)
+            flops = train_flops(module, lambda: task.loss(module, batch))
         log.info("model: %.3g parameters, %.3g training FLOPs per sample",
                  sum(p.numel() for p in module.parameters()), flops)
         return flops
