@@ -66,7 +66,7 @@ from ddptrain.checkpoints.format import (
     _verify_file,
     file_digest,
 )
-from ddptrain.parallel.materialize import local_part, shard_rows
+from ddptrain.parallel.materialize import local_part, put_local_part, shard_rows, whole_on_cpu
 
 SHARDS = "shards"
 METADATA = f"{SHARDS}/.metadata"
@@ -335,12 +335,10 @@ def _load_full_rows(module: nn.Module, optimizer: torch.optim.Optimizer, loaded:
     for name, target in module.state_dict().items():
         if name in leave_out:
             continue
-        rows = shard_rows(target)
         if isinstance(model, MappedWeights):
-            value = model.rows(name, rows)
+            local_part(target).copy_(model.rows(name, shard_rows(target)))
         else:
-            value = model[name][rows] if model[name].dim() else model[name]
-        local_part(target).copy_(value)
+            put_local_part(target, model[name])
     saved = loaded.optimizer
     if not saved["state"]:
         return
@@ -467,8 +465,7 @@ def write_streamed(module: nn.Module, path: Path, metadata: dict[str, str], is_m
             hf = {file: SafetensorsStream(hf_dir / file, [(n, *shapes[n]) for n in group], {"format": "pt"})
                   for group, file in zip(groups, files)}
     for names, tensor in by_tensor.values():
-        with torch.no_grad():
-            full = (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
+        full = whole_on_cpu(tensor)
         if main is not None:
             for name in names:
                 main.write(name, full)

@@ -629,7 +629,7 @@ class Trainer(CheckpointedState):
         state = self.parallel.state_dict(self.frozen)  # sharded: gathered onto rank 0 (LoRA: the adapters only)
         if self.ctx.is_main:
             write_atomic(self.run_dir / "model.safetensors",  # under LoRA: the adapters (the rest is the source's)
-                         safetensors_bytes(self.checkpointed(state), metadata={"step": str(self._weights_step)}))
+                         safetensors_bytes(state, metadata={"step": str(self._weights_step)}))
             if self.frozen:
                 lora.save_adapter(self.module, state, self.run_dir / lora.ADAPTER_DIR)
                 hf.copy_tokenizer(self.cfg, self.run_dir / lora.ADAPTER_DIR)  # base + adapter + tokenizer: all it takes

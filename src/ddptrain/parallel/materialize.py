@@ -40,7 +40,7 @@ def materialize(module: nn.Module, device: torch.device, seed: int, source: Path
     """`to_empty` on `device`, then every rank's shards filled from `source` (a save_pretrained directory)
     or from the init seeded with `seed`. Needs no collective: each rank computes or reads its own part."""
     to_empty(module, device)
-    put = _put_local_part
+    put = put_local_part
     if source is None:
         torch.manual_seed(seed)  # as `models.instantiate` seeds the whole-model build
         meta.replay(module, put)
@@ -91,6 +91,13 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+@torch.no_grad()
+def whole_on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of `tensor` on this rank's CPU: a DTensor gathered (a collective: every rank calls it, in the
+    same order), a plain tensor itself (not copied if it is there already)."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
+
+
 def read_rows(part: Any, rows: slice) -> torch.Tensor:
     """Rows `rows` (dim 0) of a safetensors slice (`safe_open(...).get_slice(name)`), read alone; a 0-d tensor
     whole (a slice of rows cannot be applied to it)."""
@@ -98,7 +105,8 @@ def read_rows(part: Any, rows: slice) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _put_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
+def put_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
+    """This rank's part of `target` copied from `full`, the whole tensor."""
     local_part(target).copy_(full[shard_rows(target)] if full.dim() else full)
 
 

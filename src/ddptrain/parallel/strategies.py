@@ -185,9 +185,9 @@ class ShardedParallel:
         for name, value in self.module.state_dict().items():  # the same order on every rank: one gather each
             if name in leave_out:
                 continue
-            whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+            whole = materialize.whole_on_cpu(value)
             if self.ctx.is_main:
-                gathered[name] = whole.detach().cpu().clone()
+                gathered[name] = whole.clone()  # (a plain tensor's is itself)
         return gathered
 
     def export(self, path: Path, metadata: dict[str, str], hf_dir: Path | None = None) -> None:
