@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timed_steps", type=int, default=0, help="then time this many steps (after 2 warm-up "
                         "steps) and write their seconds to --out as 'steps_s'")
     parser.add_argument("--use_amp", action="store_true", help="bf16 autocast")
+    parser.add_argument("--tensor_dataset", action="store_true", help="the images as a torch TensorDataset "
+                        "in memory (benchmarks.workloads.image_tensors), not ddptrain's SyntheticImages")
     parser.add_argument("--data_parallel", action="store_true", help="one process, nn.DataParallel over every "
                         "visible GPU, --batch_size per GPU (no torchrun)")
     args = parser.parse_args(argv)
@@ -222,7 +224,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(42)
     model = (MiniResNet(3, 10, args.width) if args.model == "mini_resnet"
              else MLP(3 * args.image_size ** 2, 10, hidden=args.width))
-    data = SyntheticImages(args.dataset_size, 10, 3, args.image_size, seed=42)
+    if args.tensor_dataset:
+        from benchmarks.workloads import image_tensors
+
+        data = image_tensors(args.dataset_size, 3, args.image_size, 10)
+    else:
+        data = SyntheticImages(args.dataset_size, 10, 3, args.image_size, seed=42)
     gpus = torch.cuda.device_count() if args.data_parallel else 1
     loop = RawLoop(model, data, device=device, batch_size=args.batch_size * gpus, num_workers=args.num_workers,
                    lr=0.1, momentum=0.9, weight_decay=5e-4, seed=42, use_amp=args.use_amp,

@@ -1,11 +1,11 @@
-"""Plug-ins for the benchmarks: `--model benchmarks.workloads:deep_mlp` and
-`--dataset benchmarks.workloads:cached_synthetic`."""
+"""Plug-ins for the benchmarks: `--model benchmarks.workloads:deep_mlp`,
+`--dataset benchmarks.workloads:cached_synthetic` and `--dataset benchmarks.workloads:tensor_images`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from ddptrain.data.pipeline import SyntheticImages
 
@@ -85,3 +85,16 @@ class MaskedText(Dataset):
 def masked_text(cfg) -> tuple[Dataset, None]:
     """`--dataset benchmarks.workloads:masked_text`: --dataset_size padded, masked sequences of up to --seq_len."""
     return MaskedText(cfg.dataset_size, cfg.seq_len, cfg.seed), None
+
+
+def tensor_images(cfg) -> tuple[Dataset, None]:
+    """`--dataset benchmarks.workloads:tensor_images`: what a practitioner's own loop reads (issue 39's job), a
+    torch TensorDataset of --dataset_size images and labels already in memory."""
+    return image_tensors(cfg.dataset_size, cfg.in_channels, cfg.image_size, cfg.num_classes), None
+
+
+def image_tensors(size: int, channels: int, image_size: int, classes: int, seed: int = 42) -> TensorDataset:
+    """Normal images and uniform labels drawn from `seed`: the same on both sides of a comparison."""
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randn(size, channels, image_size, image_size, generator=gen)
+    return TensorDataset(images, torch.randint(0, classes, (size,), generator=gen))

@@ -22,7 +22,7 @@ from benchmarks.common import Row, paired_ratios, render_table
 from benchmarks.probe import CpuAccount, Interleave, PhaseClock, StepProbe
 
 SECTION_KEYS = {"overhead", "overhead_observed", "overhead_tracked", "overhead_small", "overhead_lm", "accumulation", "checkpoint", "data_synthetic", "data_cifar",
-                "overhead_small_launches", "startup", "scaling_miniresnet", "scaling_mlp", "overhead_fsdp", "fsdp_vs_ddp", "fsdp_accumulation",
+                "overhead_small_launches", "overhead_tensors", "overhead_tensors_launches", "startup", "scaling_miniresnet", "scaling_mlp", "overhead_fsdp", "fsdp_vs_ddp", "fsdp_accumulation",
                 "big_model", "big_model_lora", "lora", "lora_memory"}
 
 
@@ -78,11 +78,13 @@ def test_interleaved_comparisons_pair_every_block(tiny_bench):
 
 
 def test_small_steps_are_also_compared_as_separate_launches(tiny_bench):
-    row = rows_by_key(tiny_bench[0])["overhead_small_launches"]
-    data = row["data"]
-    assert len(data["ddptrain_step_s"]) == len(data["raw_step_s"]) == len(data["ratios"]) >= 1
-    assert all(t > 0 and math.isfinite(t) for t in data["ddptrain_step_s"] + data["raw_step_s"])
-    assert data["ratios"] == [t / o for o, t in zip(data["ddptrain_step_s"], data["raw_step_s"])]
+    for key in ("overhead_small_launches", "overhead_tensors_launches"):  # synthetic images; a TensorDataset
+        row = rows_by_key(tiny_bench[0])[key]
+        data = row["data"]
+        assert len(data["ddptrain_step_s"]) == len(data["raw_step_s"]) == len(data["ratios"]) >= 1
+        assert all(t > 0 and math.isfinite(t) for t in data["ddptrain_step_s"] + data["raw_step_s"])
+        assert data["ratios"] == [t / o for o, t in zip(data["ddptrain_step_s"], data["raw_step_s"])]
+        assert "the raw loop's step" in row["note"]
 
 
 def test_accumulation_counts_gradient_communication_per_micro_step(tiny_bench):
