@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Launch, Plan, Row, median, paired_ratios, quartiles
-from benchmarks.sections import BENCH_NET, MID_MLP, net
+from benchmarks.sections import BENCH_NET, MID_MLP, lm_flags, net
 
 # (label, flags added to B, network): DDP settings on the MLP (19 MB of gradients: buckets matter), the rest
 # on MiniResNet.
@@ -25,7 +25,12 @@ OPTIONS = [
     ("--bucket_cap_mb 5", ["--bucket_cap_mb", "5"], "mlp"),
     ("--bucket_cap_mb 100", ["--bucket_cap_mb", "100"], "mlp"),
     ("--compile", ["--compile"], "conv"),
+    # A GPT compiled whole under ddp, and per block under fsdp (each block compiled before fully_shard).
+    ("--compile, GPT under ddp", ["--compile"], "gpt"),
+    ("--compile, GPT under fsdp (per block)", ["--compile"], "gpt_fsdp"),
 ]
+NETS = {"conv": "MiniResNet", "mlp": "MLP 4.7M", "gpt": "GPT (the LM rows'), ddp",
+        "gpt_fsdp": "GPT (the LM rows'), fsdp"}
 WIN_MARGIN = 1.03
 CAVEATS = {"--channels_last": " On CPU, oneDNN's AVX2 backward of 1x1 stride-2 convolutions with fewer than 8 input "
                               "channels in channels_last corrupts memory and gradients (uxlfoundation/oneDNN#6035; "
@@ -36,12 +41,15 @@ def options(size: str, work: Path, with_compile: bool = False) -> Plan:
     """Each option vs the defaults; `--compile` only when asked (compiling takes minutes on 2 cores)."""
     block, blocks, warmup = {"full": (10, 7, 1), "quick": (10, 4, 1), "tiny": (2, 2, 1)}[size]
     tiny = size == "tiny"
-    nets = {"conv": net(BENCH_NET, size), "mlp": net(MID_MLP, size)}
-    import torch
+    import torch  # (the parent of the benchmark launches does not import torch otherwise)
 
     # --channels_last is refused on CPU (oneDNN#6035, see CAVEATS): benchmarks/gpu.sh measures it on CUDA.
-    chosen = [o for o in OPTIONS if (with_compile or o[0] != "--compile")
+    chosen = [o for o in OPTIONS if (with_compile or "--compile" not in o[1])
               and (o[0] != "--channels_last" or torch.cuda.is_available())]
+    nets = {"conv": net(BENCH_NET, size), "mlp": net(MID_MLP, size)}
+    if any(kind.startswith("gpt") for _, _, kind in chosen):
+        nets["gpt"] = lm_flags(size, work)
+        nets["gpt_fsdp"] = [*nets["gpt"], "--strategy", "fsdp"]
     jobs = []
     for i, (label, flags, kind) in enumerate(chosen):
         common = [*nets[kind], "--no-progress", "--no-auto_resume", "--save_every", "0"]
@@ -57,8 +65,8 @@ def options(size: str, work: Path, with_compile: bool = False) -> Plan:
             speedup = median(ratios)
             q1, q3 = quartiles(ratios)
             wins = speedup >= WIN_MARGIN and q1 > 1.0
-            note = f"{'MiniResNet' if kind == 'conv' else 'MLP 4.7M'}, {block}-step blocks"
-            if label == "--compile":
+            note = f"{NETS[kind]}, {block}-step blocks"
+            if "--compile" in flags:
                 note += f"; its first block also compiled: {res['b_s'][0] - median(res['b_s'][warmup:]):.1f} s"
             note += (". Faster by the margin here (>= 3%, interquartile range above 1)." if wins else
                      ". Not a clear win here.") + CAVEATS.get(label, "")

@@ -264,7 +264,8 @@ class TrainConfig:
                                          "fsdp_blocks, a transformers model's own), under ddp and fsdp",
                                          group="performance")
     channels_last: bool = opt(False, "channels_last memory format for model and inputs", group="performance")
-    compile: bool = opt(False, "torch.compile the model", group="performance")
+    compile: bool = opt(False, "torch.compile the model (under fsdp/hsdp each block, before it is sharded)",
+                        group="performance")
 
     # ----------------------------------------------------------------------------------------------
     @property
