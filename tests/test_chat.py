@@ -155,7 +155,8 @@ def test_some_cut_off_records_and_blank_lines_are_counted_in_one_line_each(token
 
 def test_lora_on_chat_records_on_two_processes_learns_what_one_process_learns(tokenizer_dir, chats, tmp_path):
     """The fine-tuning path end to end: a Llama from a config, chat records, LoRA adapters; 2 processes with
-    accumulation equal 1 process on the whole batch (1e-5), and the eval loss (assistant tokens only) falls."""
+    accumulation, under ddp and under fsdp (built on the meta device), equal 1 process on the whole batch
+    (1e-5), and the training loss (assistant tokens only) falls."""
     pytest.importorskip("peft")
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=4, vocab_size=320,
@@ -168,8 +169,12 @@ def test_lora_on_chat_records_on_two_processes_learns_what_one_process_learns(to
            "--optimizer", "adamw", "--save_every", "0", "--eval_size", "0"]
     train(tmp_path / "one", *job, "--batch_size", "16", timeout=300)
     train(tmp_path / "two", *job, "--batch_size", "4", "--grad_accum_steps", "2", nproc=2, timeout=300)
-    assert_close_weights(weights(tmp_path / "one" / "model.safetensors"),
-                         weights(tmp_path / "two" / "model.safetensors"), rel=1e-5)
+    train(tmp_path / "fsdp", *job, "--batch_size", "4", "--grad_accum_steps", "2", "--strategy", "fsdp", nproc=2,
+          timeout=300)
+    assert "fsdp: built on the meta device" in (tmp_path / "fsdp" / "logs" / "rank-0.log").read_text()
+    for run in ("two", "fsdp"):
+        assert_close_weights(weights(tmp_path / "one" / "model.safetensors"),
+                             weights(tmp_path / run / "model.safetensors"), rel=1e-5)
     assert (tmp_path / "two" / "adapter" / "tokenizer.json").is_file(), "the tokenizer beside the adapter"
     losses = [json.loads(line)["loss"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()
               if json.loads(line).get("split") == "train"]
