@@ -283,6 +283,20 @@ def test_loader_workers_fork_only_where_cpython_has_the_fork_fix():
                        torch.device("cpu"), 0).multiprocessing_context is None
 
 
+def test_loader_workers_do_not_import_again_what_a_named_main_module_imported(tmp_path):
+    """A trainer started as `python -m NAME`: its loader workers, started from the forkserver, run NAME again as
+    multiprocessing's spawn rule says, but find its imports done in the forkserver — a module that the main
+    module imports is imported by the trainer and the forkserver, by no worker. (Without the preload every
+    worker imported it: a second per worker per pass for a trainer's imports on 2 cores.)"""
+    imports, out = tmp_path / "imports", tmp_path / "workers"
+    proc = run_python(["-m", "loader_main", str(out)], env={"LOADER_MAIN_IMPORTS": str(imports)}, fresh=True)
+    assert proc.returncode == 0, proc.stderr
+    workers = {int(line) for line in out.read_text().split()}
+    importers = [int(line) for line in imports.read_text().split()]
+    assert len(workers) == 4, workers  # 2 workers, 2 passes
+    assert not workers & set(importers), f"loader workers imported the main module's imports: {importers}"
+
+
 def test_loader_workers_start_while_another_thread_runs_collectives(tmp_path):
     """Loader workers started as ddptrain starts them, 30 times while 16 gloo threads keep entering Python
     to free collectives' tensors: every pass gets its batches, and on a CPython without the fork fix no

@@ -342,8 +342,23 @@ def epoch_batches(loader: Iterable, background: bool) -> Iterator[Iterator]:
 # --- how loader workers start ----------------------------------------------------------------------
 
 # What every worker imports, once, in the forkserver; parallel.forkserver first: it takes the forkserver out of the
-# trainer's signals.
+# trainer's signals. The trainer's main module is added where it has a name (`main_module_preload`).
 FORKSERVER_PRELOAD = ["ddptrain.parallel.forkserver", "torch", "ddptrain.data.pipeline"]
+
+
+def main_module_preload() -> list[str]:
+    """The trainer's main module, where it was started as `python -m NAME` (torchrun -m, a benchmark): a worker
+    started by the forkserver runs that module again as `__mp_main__` (multiprocessing's spawn rule), and
+    what it imports would be imported anew in every worker, every pass — a second each for a trainer's
+    imports on the 2-core VM. Imported once in the forkserver, the workers find its imports there. A script
+    run by path (`torchrun train.py`) is run again in each worker as before: CPython 3.11's forkserver never
+    receives the path its `"__main__"` preload needs.
+    """
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    if not name or name == "__main__" or name.endswith(".__main__"):
+        return []
+    return [name]
 
 
 def fork_is_safe(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
@@ -377,7 +392,7 @@ def worker_context() -> multiprocessing.context.BaseContext | None:
     from multiprocessing import forkserver
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect on one already running
+    context.set_forkserver_preload(FORKSERVER_PRELOAD + main_module_preload())  # no effect on one already running
     forkserver.ensure_running()
     return context
 
