@@ -56,8 +56,7 @@ class CheckpointedState:
 
             state, trainer["param_groups"] = shards.state_to_save(self.module, self.optimizer, self.frozen)
             return Snapshot(position, None, None, trainer, config, shards=state)
-        return Snapshot(position, self.checkpointed(self.parallel.state_dict()), self.optimizer.state_dict(), trainer,
-                        config)
+        return Snapshot(position, self.parallel.state_dict(self.frozen), self.optimizer.state_dict(), trainer, config)
 
     def checkpointed(self, state: dict[str, Any]) -> dict[str, Any]:
         """What a checkpoint holds of the model's `state`: all of it, less the frozen weights under LoRA."""
