@@ -54,8 +54,8 @@ def entry() -> int:
     """The `ddptrain` command (its console script and `python -m ddptrain`): `main`, then a quick exit.
 
     At exit the interpreter collects its garbage over every object still alive, and a process that imported
-    torch holds over a million: 0.65 s at the end of every command, 0.15 s with them frozen (measured on the
-    2-core VM; more under load). Only the youngest objects can still be a command's garbage; what a command
+    torch holds over a million, and freezing them cuts that pass to a quarter (measured: docs/performance.md,
+    "Costs the code is shaped by"). Only the youngest objects can still be a command's garbage; what a command
     opened it has closed, and the rest is torch's and Python's, which live until the end anyway.
     """
     code = main()

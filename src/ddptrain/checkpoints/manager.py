@@ -117,7 +117,7 @@ class CheckpointManager:
         Every rank's snapshot is agreed on before DCP's first collective: a rank that fails before it would
         leave its peers waiting inside DCP for the whole checkpoint limit, with the cause in no log.
         """
-        from ddptrain.checkpoints import shards  # DCP: imported by sharded runs only (~1 s of CPU per process)
+        from ddptrain.checkpoints import shards  # DCP: imported by sharded runs only (its cost: performance.md)
 
         step = position.step
         error, snap = self._snapshot_error(step), None

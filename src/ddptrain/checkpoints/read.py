@@ -36,7 +36,7 @@ def read_checkpoint(path: Path, device: torch.device, share: tuple[int, int] = (
         raise CheckpointError(f"manifest format {manifest.get('format')!r} is not {FORMAT!r}")
     files = manifest["files"]
     if manifest.get("layout", "full") == "sharded":
-        from ddptrain.checkpoints import shards  # DCP: imported where a sharded checkpoint is read (~1 s)
+        from ddptrain.checkpoints import shards  # DCP: imported where a sharded checkpoint is read
 
         return shards.read_verified(path, manifest, share)
     for name in ("model.safetensors", "optimizer.pt", "trainer.pt"):

@@ -349,8 +349,8 @@ FORKSERVER_PRELOAD = ["ddptrain.parallel.forkserver", "torch", "ddptrain.data.pi
 def main_module_preload() -> list[str]:
     """The trainer's main module, where it was started as `python -m NAME` (torchrun -m, a benchmark): a worker
     started by the forkserver runs that module again as `__mp_main__` (multiprocessing's spawn rule), and
-    what it imports would be imported anew in every worker, every pass — a second each for a trainer's
-    imports on the 2-core VM. Imported once in the forkserver, the workers find its imports there. A script
+    what it imports would be imported anew in every worker, every pass (measured: docs/performance.md,
+    "Loader workers"). Imported once in the forkserver, the workers find its imports there. A script
     run by path (`torchrun train.py`) is run again in each worker as before: CPython 3.11's forkserver never
     receives the path its `"__main__"` preload needs.
     """
@@ -467,9 +467,8 @@ def draws_from_global_rngs(dataset: Dataset) -> bool:
 
 
 # A loader worker hands a tensor over in shared memory: the training process fetches its file descriptor
-# from the worker over a socket, a round trip that costs ~0.5 ms whatever the size. Up to this size copying
-# the bytes through the result pipe is cheaper (measured: 64 KiB 0.75 vs 1.34 ms, 256 KiB 1.08 vs 1.25 ms,
-# 1 MiB 3.9 vs 1.7 ms to receive one ready tensor).
+# from the worker over a socket, a round trip that costs the same whatever the size. Up to this size copying
+# the bytes through the result pipe is cheaper (measured: docs/performance.md, "Costs the code is shaped by").
 BY_VALUE_BYTES = 256 * 1024
 
 

@@ -210,7 +210,7 @@ class TrainLog:
         line = (f"train step {step}/{p.total_steps} epoch {p.epoch}: loss {record['loss']:.4f} lr {p.lr:.4g} "
                 f"{samples_per_sec:.1f} samples/s (data wait "
                 f"{100 * record['data_wait_s'] / max(record['step_time_s'], 1e-9):.1f}%)")
-        self.sinks.write(record, announce=line)  # logged by the writer thread: the handlers' writes cost ~1 ms
+        self.sinks.write(record, announce=line)  # logged by the writer thread: the handlers' writes are slow
         if self.on_record is not None:
             self.on_record(record)
         p.bar.update(step, p.epoch, record["loss"], samples_per_sec)

@@ -112,7 +112,7 @@ class Trainer(CheckpointedState):
         if cfg.use_amp and cfg.strategy == "ddp":
             self.autocast = lambda: torch.autocast(device.type, torch.float16 if fp16 else torch.bfloat16)  # noqa: E731
         else:
-            self.autocast = contextlib.nullcontext  # a disabled torch.autocast still costs ~3 us per micro-step
+            self.autocast = contextlib.nullcontext  # a disabled torch.autocast still costs time per micro-step
         # Counted before the per-rank RNG streams start: reading a sample may draw augmentation randomness. A model
         # built on the meta device (fsdp: filled after sharding) is counted there, on a meta copy of the sample.
         on = torch.device("meta") if any(p.is_meta for p in module.parameters()) else device

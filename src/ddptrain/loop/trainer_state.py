@@ -52,7 +52,7 @@ class CheckpointedState:
             trainer["frozen"] = {"names": self.frozen, "fingerprint": self.frozen_fingerprint()}
         position, config = Position(**vars(self.position)), self.cfg.to_dict()
         if self.parallel.sharded:
-            from ddptrain.checkpoints import shards  # DCP: imported by sharded runs only (~1 s of CPU)
+            from ddptrain.checkpoints import shards  # DCP: imported by sharded runs only
 
             state, trainer["param_groups"] = shards.state_to_save(self.module, self.optimizer, self.frozen)
             return Snapshot(position, None, None, trainer, config, shards=state)

@@ -5,8 +5,8 @@ cluster's `torchrun -m ddptrain train` path execute the same code. On failure th
 (`--max_restarts`), and they resume from the newest committed checkpoint.
 
 The workers are forked from a forkserver that imported torch and the trainer once (`start_worker_server`),
-not started as fresh interpreters: importing those costs ~3 s of CPU per process, which a launch paid once
-per worker and again at every restart. The launcher starts the forkserver before it imports torch itself,
+not started as fresh interpreters: importing those costs seconds of CPU per process (docs/performance.md), which
+a launch paid once per worker and again at every restart. The launcher starts the forkserver before it imports torch itself,
 so the two imports run side by side. Each worker then takes the shape a fresh one had: a session of its
 own (as torch's subprocess workers), the default signal handlers, the launcher's environment.
 """
@@ -57,8 +57,7 @@ def strip_flag(argv: list[str], flag: str) -> list[str]:
 
 
 # What the workers' forkserver imports once: parallel.forkserver first (it leaves the job's signals), then
-# what every worker would import anyway. torch._dynamo is one: torch.optim's Optimizer imports it when built
-# (~1 s of CPU).
+# what every worker would import anyway. torch._dynamo is one: torch.optim's Optimizer imports it when built.
 WORKER_PRELOAD = ["ddptrain.parallel.forkserver", "torch", "ddptrain.cli", "ddptrain.api", "ddptrain.loop.trainer",
                   "torch._dynamo"]
 
