@@ -50,8 +50,7 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
     from ddptrain.observe.log import rank_log_path, setup_logging
     from ddptrain.parallel import netinfo
     from ddptrain.parallel.distributed import distributed
-    from ddptrain.parallel.launch import LOCAL_LAUNCH_ENV
-    from ddptrain.parallel.procenv import name_worker, read_launch_env
+    from ddptrain.parallel.procenv import LOCAL_LAUNCH_ENV, name_worker, read_launch_env
     from ddptrain.parallel.watchdog import record_for_launcher
 
     if cfg.num_workers > 0:

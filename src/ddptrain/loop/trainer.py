@@ -51,7 +51,7 @@ from ddptrain.observe.metrics import MetricSinks, ProgressBar
 from ddptrain.observe.profiler import StepProfiler
 from ddptrain.observe.trackers import Trackers
 from ddptrain.parallel.distributed import DistributedContext, LaggedVote
-from ddptrain.parallel.launch import FINISHED_MARKER, LAUNCH_TIME_ENV, PREEMPTED_MARKER
+from ddptrain.parallel.procenv import FINISHED_MARKER, LAUNCH_TIME_ENV, PREEMPTED_MARKER
 from ddptrain.parallel.strategies import build_parallel
 from ddptrain.parallel.watchdog import Watchdog
 from ddptrain.parts import Parts

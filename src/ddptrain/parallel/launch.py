@@ -28,16 +28,17 @@ from typing import TYPE_CHECKING
 
 from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE
 from ddptrain.observe.log import rank_log_path
+from ddptrain.parallel.procenv import (
+    FINISHED_MARKER,
+    LAUNCH_TIME_ENV,
+    LAUNCHER_PID_ENV,
+    LOCAL_LAUNCH_ENV,
+    PREEMPTED_MARKER,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-LOCAL_LAUNCH_ENV = "DDPTRAIN_LOCAL_LAUNCH"  # set for workers of `--nproc`: the launcher reports their errors
-LAUNCH_TIME_ENV = "DDPTRAIN_LAUNCH_TIME"  # when `--nproc`'s launcher started: --max_time counts from there
-LAUNCHER_PID_ENV = "DDPTRAIN_LAUNCHER_PID"  # the `--nproc` launcher, which its workers must not outlive
-# Rank 0's word to whoever started the job (this launcher, a SLURM script), each cleared when the run resumes:
-PREEMPTED_MARKER = "PREEMPTED"  # RUN_DIR/PREEMPTED: written after the preemption checkpoint commits
-FINISHED_MARKER = "FINISHED"  # RUN_DIR/FINISHED: the run is complete, its final weights written
 
 # The agent forwards these to the workers, which checkpoint and exit; SIGUSR1 is SLURM's --signal.
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"

@@ -15,6 +15,16 @@ from ddptrain.errors import UsageError
 JOB_VAR_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC", "SLURM_",
                     "DDPTRAIN_")
 
+# What `--nproc`'s launcher (parallel.launch) sets for its workers, and the files by which rank 0 answers whoever
+# started the job (that launcher, a SLURM script); here, a leaf, so that the trainer and the worker entry read
+# them without importing the launcher.
+LOCAL_LAUNCH_ENV = "DDPTRAIN_LOCAL_LAUNCH"  # set for workers of `--nproc`: the launcher reports their errors
+LAUNCH_TIME_ENV = "DDPTRAIN_LAUNCH_TIME"  # when `--nproc`'s launcher started: --max_time counts from there
+LAUNCHER_PID_ENV = "DDPTRAIN_LAUNCHER_PID"  # the `--nproc` launcher, which its workers must not outlive
+# Rank 0's word to whoever started the job (the launcher, a SLURM script), each cleared when the run resumes:
+PREEMPTED_MARKER = "PREEMPTED"  # RUN_DIR/PREEMPTED: written after the preemption checkpoint commits
+FINISHED_MARKER = "FINISHED"  # RUN_DIR/FINISHED: the run is complete, its final weights written
+
 
 def fresh_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """`environ` (default os.environ) without any job's variables (JOB_VAR_PREFIXES)."""
