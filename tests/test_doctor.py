@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, cli_env, one_line_error, run_cli
 
+from ddptrain.errors import UsageError
 from ddptrain.parallel.procenv import free_port
 from ddptrain.tools import doctor
 
@@ -51,6 +52,13 @@ def test_unshared_run_dir_and_odd_code_are_reported(tmp_path):
     assert re.search(r"rank 1 on \S+ \(127\.0\.0\.1\): sees the files of rank 1\)", problems), problems
     assert list(sweep_rows(proc.stdout)) == SIZES[:6]  # the figures are still printed
     assert "training failed" not in proc.stderr
+
+
+def test_nproc_called_from_python_without_the_command_line_s_entry_is_a_usage_error(tmp_path):
+    """`--nproc` workers run the command line (`cli.main`, handed in by it: the launcher imports no CLI);
+    `doctor.main` called without it says how to run it instead of starting workers that could not."""
+    with pytest.raises(UsageError, match="ddptrain doctor --nproc N"):
+        doctor.main(["--run_dir", str(tmp_path), "--nproc", "2"])
 
 
 def test_single_process_runs_every_check_in_process(tmp_path, capsys):

@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="")
         return 0 if argv else EXIT_USAGE
     command, rest = argv[0], argv[1:]
-    handlers = {"train": cmd_train, "doctor": _lazy("ddptrain.tools.doctor"), "report": _lazy("ddptrain.tools.report"),
+    handlers = {"train": cmd_train, "doctor": _lazy("ddptrain.tools.doctor", entry=main),
+                "report": _lazy("ddptrain.tools.report"),
                 "export": _lazy("ddptrain.tools.export"), "plan": _lazy("ddptrain.tools.plan"),
                 "prepare-text": _lazy("ddptrain.data.text")}
     if command not in handlers:
@@ -71,11 +72,11 @@ def say_error(message: str) -> None:
     sys.stderr.flush()
 
 
-def _lazy(module: str):
+def _lazy(module: str, **kwargs):
     def run(argv: list[str]) -> int:
         import importlib
 
-        return importlib.import_module(module).main(argv)
+        return importlib.import_module(module).main(argv, **kwargs)
 
     return run
 
@@ -112,7 +113,7 @@ def cmd_train(argv: list[str]) -> int:
             os.environ[runlock.TOKEN_ENV] = lock.token
             worker_argv = strip_flag(strip_flag(argv, "--nproc"), "--max_restarts")
             try:
-                return launch_local("train", worker_argv, cfg.nproc, cfg.max_restarts, run_dir)
+                return launch_local(main, "train", worker_argv, cfg.nproc, cfg.max_restarts, run_dir)
             finally:
                 del os.environ[runlock.TOKEN_ENV]
     return run_worker(cfg)

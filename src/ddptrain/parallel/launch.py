@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from multiprocessing import forkserver
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -81,8 +82,9 @@ def start_worker_server(nproc: int) -> None:
     forkserver.ensure_running()
 
 
-def _worker(command: str, argv: list[str], environ: dict[str, str]) -> None:
-    """One worker of `launch_local`, in a process forked from the forkserver: `ddptrain <command> argv`."""
+def _worker(entry: Callable[[list[str]], int], command: str, argv: list[str], environ: dict[str, str]) -> None:
+    """One worker of `launch_local`, in a process forked from the forkserver: `ddptrain <command> argv`, run by
+    `entry` (the command line's `cli.main`, passed in by its caller: the launcher never imports the CLI)."""
     os.setsid()  # as torch starts a subprocess worker: the launcher's terminal signals reach it through the agent
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):  # ignored by the forkserver (parallel.forkserver)
         signal.signal(sig, signal.SIG_DFL)
@@ -93,9 +95,7 @@ def _worker(command: str, argv: list[str], environ: dict[str, str]) -> None:
         os.environ.setdefault(key, value)
     _exit_with_launcher(int(os.environ[LAUNCHER_PID_ENV]))
     sys.argv = ["ddptrain", command, *argv]
-    from ddptrain import cli
-
-    code = cli.main([command, *argv])
+    code = entry([command, *argv])
     sys.stdout.flush()
     sys.stderr.flush()
     if code:
@@ -132,8 +132,10 @@ def _exit_with_launcher(pid: int) -> None:
     threading.Thread(target=wait_then_exit, name="ddptrain-launcher-watch", daemon=True).start()
 
 
-def launch_local(command: str, argv: list[str], nproc: int, max_restarts: int, run_dir: Path | None) -> int:
-    """Run `ddptrain <command> argv` on `nproc` local workers; return the job's exit code."""
+def launch_local(entry: Callable[[list[str]], int], command: str, argv: list[str], nproc: int, max_restarts: int,
+                 run_dir: Path | None) -> int:
+    """Run `ddptrain <command> argv` on `nproc` local workers, each by `entry([command, *argv])` (a module-level
+    function: it reaches the workers pickled by name); return the job's exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -151,7 +153,7 @@ def launch_local(command: str, argv: list[str], nproc: int, max_restarts: int, r
     if "LOGLEVEL" not in os.environ:  # the user asked for the agent's own logs: keep them all
         quiet_agent_logs()
     try:
-        elastic_launch(config, _worker)(command, argv, dict(os.environ))
+        elastic_launch(config, _worker)(entry, command, argv, dict(os.environ))
         return 0
     except ChildFailedError as exc:
         return _report_failure(exc, run_dir, started, command)

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -80,7 +81,8 @@ class RankReport:
     all_reduce_ok: bool  # every all-reduce of the sweep returned the expected sum on this rank
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], entry: Callable[[list[str]], int] | None = None) -> int:
+    """`ddptrain doctor ARGV`; `entry` runs each worker of `--nproc` (the command line's `cli.main`)."""
     args = build_parser().parse_args(argv)
     if args.nproc < 0 or args.iters < 1 or args.max_mb <= 0 or args.timeout_s <= 0:
         raise UsageError("--nproc must be >= 0, --iters >= 1, --max_mb and --timeout_s > 0")
@@ -90,18 +92,20 @@ def main(argv: list[str]) -> int:
         if read_launch_env().launched:
             raise UsageError("--nproc starts local workers, but this process is already a worker of a launcher "
                              "(RANK is set); drop --nproc")
-        return _launch(argv, args)
+        if entry is None:
+            raise UsageError("--nproc: run it as the command `ddptrain doctor --nproc N`, which starts the workers")
+        return _launch(argv, args, entry)
     return check(args)
 
 
-def _launch(argv: list[str], args: argparse.Namespace) -> int:
+def _launch(argv: list[str], args: argparse.Namespace, entry: Callable[[list[str]], int]) -> int:
     """`--nproc N`: the workers report to a verdict file, so that a problem is exit 1, not a crash report."""
     from ddptrain.parallel.launch import launch_local, strip_flag
 
     verdict = Path(tempfile.gettempdir()) / f"ddptrain-doctor-{uuid.uuid4().hex}.json"
     os.environ[VERDICT_VAR] = str(verdict)
     try:
-        code = launch_local("doctor", strip_flag(argv, "--nproc"), args.nproc, 0, Path(args.run_dir))
+        code = launch_local(entry, "doctor", strip_flag(argv, "--nproc"), args.nproc, 0, Path(args.run_dir))
         if code != EXIT_OK:
             return code
         problems = json.loads(verdict.read_text())["problems"]
