@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE, Preempted, UsageError
+from ddptrain.parallel.procenv import LOCAL_LAUNCH_ENV
 
 USAGE = """usage: ddptrain <command> [options]
 
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = handlers[command](rest)
     except UsageError as exc:
-        if os.environ.get("DDPTRAIN_LOCAL_LAUNCH") and os.environ.get("TORCHELASTIC_ERROR_FILE"):  # launch.py
+        if os.environ.get(LOCAL_LAUNCH_ENV) and os.environ.get("TORCHELASTIC_ERROR_FILE"):  # a worker of launch.py
             from ddptrain.parallel.watchdog import record_for_launcher
 
             record_for_launcher(exc)  # a worker of `--nproc`: the launcher prints each distinct error once

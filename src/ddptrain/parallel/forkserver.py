@@ -12,8 +12,8 @@ default SIGTERM and SIGINT (`launch._worker`, `data.pipeline.worker_init`).
 
 The forkserver also ends without the interpreter's teardown: once its last client has gone, collecting the
 garbage of a process that imported torch and the trainer takes seconds (docs/performance.md, "Costs the code
-is shaped by"), during which the launch's output pipe stays open and the resource tracker waits for it. The last exit
-handler (registered first) ends it once the others ran.
+is shaped by"), during which the launch's output pipe stays open and the resource tracker waits for it. The
+last exit handler (registered first) ends it once the others ran.
 
 Import it nowhere else: importing it is what it does.
 """

@@ -5,9 +5,9 @@ cluster's `torchrun -m ddptrain train` path execute the same code. On failure th
 (`--max_restarts`), and they resume from the newest committed checkpoint.
 
 The workers are forked from a forkserver that imported torch and the trainer once (`start_worker_server`),
-not started as fresh interpreters: importing those costs seconds of CPU per process (docs/performance.md), which
-a launch paid once per worker and again at every restart. The launcher starts the forkserver before it imports torch itself,
-so the two imports run side by side. Each worker then takes the shape a fresh one had: a session of its
+not started as fresh interpreters: importing those costs seconds of CPU per process (docs/performance.md),
+which a launch paid once per worker and again at every restart. The launcher starts the forkserver before it
+imports torch itself, so the two imports run side by side. Each worker then takes the shape a fresh one had: a session of its
 own (as torch's subprocess workers), the default signal handlers, the launcher's environment.
 """
 
