@@ -198,3 +198,66 @@ def test_a_full_checkpoint_resumes_under_fsdp_with_each_rank_reading_its_own_row
     train(tmp_path / "straight", *WIDE, "--max_steps", "2", timeout=400)
     assert_close_weights(weights(tmp_path / "straight" / "model.safetensors"),
                          weights(tmp_path / "resumed" / "model.safetensors"), rel=1e-5)
+
+
+def test_plan_shards_the_llama_as_the_run_did(models, llama_fsdp):
+    """`ddptrain plan`'s memory model against a real 2-process run of the same flags: the same units, and each
+    rank's parameters + gradients + optimizer state as the run's memory line reports them (MiB, 2 decimals)."""
+    import re
+
+    from ddptrain.config import resolve_config
+    from ddptrain.tools import memplan
+
+    cfg = resolve_config(["--model", f"hf:{models / 'llama_index'}", *LM, *FSDP])
+    shape = memplan.model_shape(cfg)
+    log_text = (llama_fsdp / "logs" / "rank-0.log").read_text()
+    assert f": {len(shape.units)} units" in log_text
+    assert "freed blocks of >= 1048576 bytes go back to the system" in log_text  # parallel/hostmem.py
+    logged = re.search(r"optimizer state ([\d.]+) / ([\d.]+) MiB per rank", log_text)
+    at_rest = memplan.footprint(shape, cfg, 2)
+    whole_grads = -(-shape.trainable // 2) * 4
+    predicted = (at_rest.params + whole_grads + at_rest.optimizer) / 2**20
+    assert logged and all(abs(float(v) - predicted) <= 0.01 + 0.02 * predicted for v in logged.groups()), \
+        (logged, predicted)
+
+
+def test_freed_blocks_go_back_to_the_system_once_the_threshold_is_fixed():
+    """glibc serves a block from the heap, where a freed one stays resident, once its moving mmap threshold has
+    risen above the block's size (as the first freed large tensor makes it); `hostmem.return_freed_blocks`
+    (called by fsdp/hsdp workers on CPU) fixes the threshold at 1 MiB, so each such block is a mapping of its
+    own, unmapped when freed. glibc's own count of mapped bytes (mallinfo2) while 32 blocks of 4 MiB live, and
+    after. (That the workers of an fsdp run call it: the test above.)"""
+    script = """
+import ctypes, sys, torch
+from ddptrain.parallel import hostmem
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = MallInfo2
+
+def mapped_mib():
+    return mallinfo2().hblkhd / 2**20
+
+bump = torch.ones(4 << 20)  # 16 MiB, mapped; freeing it raises the moving threshold above 4 MiB
+del bump
+if sys.argv[1] == "fixed":
+    assert hostmem.return_freed_blocks()
+before = mapped_mib()
+blocks = [torch.ones(1 << 20) for _ in range(32)]
+during = mapped_mib()
+del blocks
+print(during - before, mapped_mib() - before)
+"""
+    mapped = {}
+    for mode in ("moving", "fixed"):
+        proc = run_python(["-c", script, mode], fresh=True)
+        assert proc.returncode == 0, proc.stderr
+        mapped[mode] = [float(v) for v in proc.stdout.split()[-2:]]
+    assert mapped["moving"][0] < 4, mapped  # from the heap
+    assert mapped["fixed"][0] >= 128 and mapped["fixed"][1] < 1, mapped  # mapped, and unmapped when freed
+    kept = run_python(["-c", "from ddptrain.parallel import hostmem; print(hostmem.return_freed_blocks())"],
+                      env={"MALLOC_MMAP_THRESHOLD_": "65536"}, fresh=True)
+    assert kept.stdout.split()[-1] == "False", kept.stderr  # the user's own threshold stands

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 from helpers import one_line_error, run_cli
 
 from ddptrain.config import TrainConfig, to_toml
-from ddptrain.tools import doctor, plan
+from ddptrain.tools import doctor, memplan, plan
 
 MIB = 1 << 20
 
@@ -205,3 +206,94 @@ def test_the_model_s_fsdp_units_come_from_its_blocks():
 
     assert plan.fsdp_unit_count(TrainConfig(model="gpt", num_layers=4)) == 5
     assert plan.fsdp_unit_count(TrainConfig(model="mini_resnet")) == 7
+
+
+# --- memory ------------------------------------------------------------------------------------------------
+
+def _shape() -> memplan.ModelShape:
+    # Two blocks and a root, in forward order; activations (fp32 bytes saved while each runs).
+    return memplan.ModelShape((memplan.Unit("a", 1000, 1000, 400), memplan.Unit("b", 3000, 3000, 800),
+                               memplan.Unit("root", 100, 100, 40)), activations_known=True)
+
+
+def test_fsdp_memory_by_hand_peaks_in_the_backward_of_the_largest_unit():
+    cfg = TrainConfig(strategy="fsdp", optimizer="sgd", momentum=0.9)
+    f = memplan.footprint(_shape(), cfg, 4)
+    # At rest each rank holds ceil(4100 / 4) = 1025 elements of parameters and momentum, fp32.
+    assert (f.params, f.optimizer) == (4100, 4100)
+    # Backward runs root, b, a. In b's: the root stays gathered (100 x 4), b is gathered twice (FSDP2's flat
+    # buffer and the copy-out: 2 x 3000 x 4), its whole gradients and reduce-scatter input are there
+    # (3000 x (4 + 4)) and a is gathered ahead (2 x 1000 x 4); the gradient shards of root and b exist
+    # (25 + 750 elements); a's and b's activations are still saved (400 + 800).
+    assert f.moment == "backward of b"
+    assert (f.gathered, f.grads, f.activations) == (400 + 24000 + 24000 + 8000, 4 * (25 + 750), 1200)
+    assert f.device_peak == f.total == 4100 + 4100 + 3100 + 56400 + 1200
+    offloaded = memplan.footprint(_shape(), dataclasses.replace(cfg, cpu_offload=True), 4)
+    assert offloaded.device_peak == 56400 + 1200  # the state at rest is on the host
+    assert offloaded.total == f.total
+    # ddp: everything whole, DDP's buckets hold every gradient, the activations peak at the end of forward.
+    ddp = memplan.footprint(_shape(), TrainConfig(strategy="ddp", momentum=0.9), 4)
+    assert ddp.device_peak == 3 * 4100 * 4 + 1240
+
+
+def test_bf16_weights_halve_the_state_and_the_gathered_units_but_not_an_fp32_reduction():
+    full = memplan.footprint(_shape(), TrainConfig(strategy="fsdp", momentum=0.0), 4)
+    half = memplan.footprint(_shape(), TrainConfig(strategy="fsdp", momentum=0.0, param_dtype="bf16"), 4)
+    assert half.params * 2 == full.params and half.optimizer == full.optimizer == 0
+    # b in bf16: 2 x 3000 x 2 gathered, gradients 3000 x 2, the fp32 reduce-scatter input 3000 x 4 and its
+    # output 750 x 4, before the cast into the bf16 shard; a gathered ahead, 2 x 1000 x 2.
+    assert half.gathered == 100 * 2 + 12000 + 3000 * (2 + 4) + 750 * 4 + 4000
+    bf16_reduce = memplan.footprint(_shape(), TrainConfig(strategy="fsdp", momentum=0.0, param_dtype="bf16",
+                                                          reduce_dtype="bf16"), 4)
+    assert bf16_reduce.gathered == 100 * 2 + 12000 + 3000 * 4 + 4000
+
+
+def test_without_resharding_every_unit_stays_gathered_and_accumulation_holds_whole_gradients():
+    kept = memplan.footprint(_shape(), TrainConfig(strategy="fsdp", momentum=0.0, reshard_after_forward=False), 4)
+    assert kept.moment == "backward of b"
+    assert kept.gathered == 4100 * 4 + 3000 * 8  # everything gathered since forward, b's gradients
+    accumulating = memplan.footprint(_shape(), TrainConfig(strategy="fsdp", momentum=0.0, grad_accum_steps=2), 4)
+    assert accumulating.gathered == 400 + 24000 + 24000 + 8000 + 4100 * 4  # + the whole model's gradients
+
+
+def test_the_meta_forward_counts_activations_by_unit_in_forward_order_without_parameters():
+    cfg = TrainConfig(model="gpt", strategy="fsdp", task="language_model", vocab_size=4096, seq_len=32, width=64,
+                      num_layers=3, num_heads=2, batch_size=4)
+    shape = memplan.model_shape(cfg)
+    assert [u.name for u in shape.units] == ["blocks.0", "blocks.1", "blocks.2", "root"]
+    assert shape.elements == sum(p.numel() for p in __import__("ddptrain.models", fromlist=["x"]).build_model(cfg)
+                                 .parameters())
+    blocks = [u.activations for u in shape.units[:-1]]
+    assert len(set(blocks)) == 1 and blocks[0] > 0  # equal blocks save equal bytes
+    # The root's (embeddings, head, loss) include the (4 x 32 x 4096) logits; the 1 MiB embedding is not counted.
+    assert shape.units[-1].activations >= 4 * 32 * 4096 * 4
+    double = memplan.model_shape(dataclasses.replace(cfg, batch_size=8))
+    assert double.activations == pytest.approx(2 * shape.activations, rel=0.02)
+    assert memplan.model_shape(cfg, activation_mib=3).activations == 3 * MIB
+
+
+def test_cli_prints_the_memory_per_rank_alone_or_beside_the_speed():
+    model = ["--model", "gpt", "--task", "language_model", "--vocab_size", "4096", "--seq_len", "32",
+             "--width", "64", "--num_layers", "3", "--num_heads", "2", "--strategy", "fsdp"]
+    proc = run_cli(["plan", *model, "--nproc", "4"])
+    assert proc.returncode == 0, proc.stderr
+    rows = _table_rows(proc.stdout)
+    assert [r[0] for r in rows] == ["4"] and rows[0][-3] == "backward", proc.stdout
+    assert "peak MiB/rank" in proc.stdout and "efficiency" not in proc.stdout
+    both = run_cli(["plan", *model, "--step_ms", "100", "--grad_mib", "10", "--busbw_gbps", "10", "--gpus", "8,64"])
+    assert both.returncode == 0, both.stderr
+    assert "peak MiB/rank" in both.stdout and "efficiency" in both.stdout
+    assert [r[0] for r in _table_rows(both.stdout)] == ["8", "64", "8", "64"]  # memory, then speed
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    return [cells for cells in map(str.split, text.splitlines()) if len(cells) > 2 and cells[0].isdigit()
+            and cells[1].replace(".", "").isdigit()]
+
+
+@pytest.mark.parametrize("args, needle", [(["--model", "nope"], "--model"),
+                                          (["--model", "gpt", "--activation_mib", "-1"], "--activation_mib"),
+                                          (["--model", "gpt", "--strategy", "zero"], "--strategy")],
+                         ids=["unknown-model", "negative-activations", "bad-strategy"])
+def test_memory_usage_errors_are_one_line_exit_2(args, needle):
+    assert needle in one_line_error(run_cli(["plan", *args]))

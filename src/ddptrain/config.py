@@ -564,9 +564,9 @@ def build_parser(prog: str = "ddptrain train") -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_config(argv: list[str], *, validate: bool = True) -> TrainConfig:
+def resolve_config(argv: list[str], *, validate: bool = True, prog: str = "ddptrain train") -> TrainConfig:
     """Defaults < TOML file < flags, then validation. The only way a TrainConfig is made from user input."""
-    args = vars(build_parser().parse_args(argv))
+    args = vars(build_parser(prog).parse_args(argv))
     config_file = args.pop("config", None)
     values = load_toml(config_file) if config_file else {}
     values.update(args)

@@ -67,7 +67,7 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 @contextlib.contextmanager
-def _values_unknown(device: torch.device) -> Iterator[Callable[[Any], Any]]:
+def values_unknown(device: torch.device) -> Iterator[Callable[[Any], Any]]:
     """For a model on the meta device, torch's FakeTensorMode, and what makes a batch's tensors fake: a forward
     over meta tensors fails where the model tests a value (transformers' mask checks call `.item()`), and
     transformers skips those tests on fake tensors, as when tracing. Elsewhere, nothing."""
@@ -97,7 +97,7 @@ def task_flops_per_sample(module: nn.Module, task: Any, dataset: Any, device: to
     try:
         _, batch = collate([(0, dataset[0])])
         batch = to_device(batch, device)
-        with _values_unknown(device) as as_fake:
+        with values_unknown(device) as as_fake:
             batch = tree_map(as_fake, batch)
             flops = train_flops(module, lambda: task.loss(module, batch))
         log.info("model: %.3g parameters, %.3g training FLOPs per sample",

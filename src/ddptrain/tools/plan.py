@@ -28,6 +28,12 @@ and the network's all-reduce bus bandwidth and latency (from `ddptrain doctor`, 
   previous unit's compute, so what cannot hide is the first unit's gather in each pass, the last unit's
   reduce-scatter, and whatever of a pass's communication exceeds its compute (forward = backward / 2).
 
+* Memory (`ddptrain plan --model ... --strategy fsdp --nproc N`, any training flags after plan's own): what
+  one rank holds at the fullest moment of a step, from the model built on the meta device: its share of
+  parameters, gradients and optimizer state, the unit being computed gathered whole with its gradients and
+  FSDP2's buffers, and the activations one micro-batch saves for backward (counted on fake tensors). The rules
+  are in ddptrain/tools/memplan.py; `make bench` (section big_model) holds them against measured peaks.
+
 Not modelled (each makes real runs slower than predicted): compute slowed by communication kernels
 sharing the device (NCCL uses SMs; on CPU gloo uses the same cores), hierarchical networks (give the
 slowest, inter-node bandwidth), NCCL's tree algorithms at large N (they cut latency: the prediction is
@@ -42,10 +48,14 @@ import statistics
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ddptrain.cliargs import ArgParser
 from ddptrain.errors import EXIT_OK, UsageError
 from ddptrain.tools.tables import format_table
+
+if TYPE_CHECKING:  # the memory model imports torch and the models; the speed table needs neither
+    from ddptrain.tools import memplan
 
 MIB = 1 << 20
 FIRST_BUCKET_BYTES = MIB  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
@@ -292,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     ddp.add_argument("--bucket_cap_mb", type=float, default=25.0, help="DDP bucket size in MiB (default: 25)")
     ddp.add_argument("--fsdp_units", type=int, help="FSDP: units the parameters are sharded in (default: the "
                      "--run_dir model's fsdp_blocks + 1, else 8)")
+    memory = parser.add_argument_group("memory (with the training flags: --model ... --strategy fsdp --nproc N)")
+    memory.add_argument("--activation_mib", type=float, help="activations of one micro-batch in MiB, where the "
+                        "task's batch cannot be made up on the meta device (plug-in tasks, dict batches)")
     ddp.add_argument("--gpus", default=",".join(map(str, DEFAULT_GPUS)),
                      help="comma-separated device counts (default: 8,16,...,1024)")
     return parser
@@ -379,8 +392,60 @@ def render(work: Workload, predictions: list[Prediction]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args, train_argv = build_parser().parse_known_args(argv)
     gpus = parse_gpus(args.gpus)
+    memory = memory_from_args(args, train_argv)
+    if memory is not None:
+        from ddptrain.tools import memplan
+
+        cfg, shape = memory
+        if cfg.nproc:
+            gpus = [cfg.nproc]
+        print(render_memory(cfg, shape, [memplan.footprint(shape, cfg, n) for n in gpus]))
+        if not (args.run_dir or args.step_ms is not None):
+            return EXIT_OK  # memory alone: no step time to scale
+        print()
     work = workload_from_args(args)
     print(render(work, [predict(work, n) for n in gpus]))
     return EXIT_OK
+
+
+def memory_from_args(args: argparse.Namespace, train_argv: list[str]) -> tuple[Any, memplan.ModelShape] | None:
+    """The training flags after plan's own (`--model ... --strategy fsdp --nproc N ...`, or --config FILE): the
+    model on the meta device; None when there are none."""
+    if not train_argv:
+        return None
+    from ddptrain.config import resolve_config
+    from ddptrain.tools import memplan
+
+    if args.activation_mib is not None and args.activation_mib < 0:
+        raise UsageError("--activation_mib must be >= 0")
+    cfg = resolve_config(train_argv, prog="ddptrain plan")
+    return cfg, memplan.model_shape(cfg, args.activation_mib)
+
+
+def render_memory(cfg: Any, shape: memplan.ModelShape, footprints: list[memplan.Footprint]) -> str:
+    largest = max(shape.units, key=lambda u: u.elements)
+    sharded = cfg.strategy != "ddp"
+    header = (f"ddptrain plan: memory per rank, {cfg.model} under --strategy {cfg.strategy}: "
+              f"{shape.elements / 1e6:.1f}M parameters ({4 * shape.elements / MIB:.0f} MiB in fp32), "
+              f"{shape.trainable / 1e6:.3g}M trainable"
+              + (f", {len(shape.units)} units (largest {largest.name}: {4 * largest.elements / MIB:.0f} MiB fp32)"
+                 if sharded else "")
+              + (f"; activations {shape.activations / MIB:.1f} MiB (fp32) per micro-batch of {cfg.batch_size}"
+                 if shape.activations_known else "; activations not counted for this task (--activation_mib)")
+              + (" as without --activation_checkpointing (which keeps each block's input and recomputes one block "
+                 "at a time)" if cfg.activation_checkpointing and shape.activations_known else ""))
+    names = ["ranks", "params MiB", "grads MiB", "optimizer MiB", "gathered MiB", "activations MiB",
+             "peak MiB/rank", "peak / fp32 model", "at"]
+    fp32 = 4 * shape.elements
+    rows = [[str(f.ranks), *(f"{b / MIB:.0f}" for b in (f.params, f.grads, f.optimizer, f.gathered, f.activations)),
+             f"{f.device_peak / MIB:.0f}", f"{f.device_peak / fp32:.2f}x", f.moment] for f in footprints]
+    notes = ("peak = what the rank holds at its fullest moment of a step: its share of parameters, gradients and "
+             "optimizer state, the unit being computed gathered whole with its gradients and FSDP2's buffers, the "
+             "activations still saved; plus the framework itself (CUDA context, libraries: measure a tiny "
+             "model's run) and the allocator's slack. `ddptrain plan --help` lists the rules.")
+    if cfg.cpu_offload:
+        notes = ("--cpu_offload: params, grads and optimizer state live in host memory (not in the peak). " + notes)
+    table = format_table(names, rows, align="right")
+    return "\n".join([textwrap.fill(header, 110), "", table, "", textwrap.fill(notes, 110)])
