@@ -48,7 +48,7 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
     from ddptrain.loop.sanity import plugin_names, usage_error_of
     from ddptrain.loop.trainer import Trainer
     from ddptrain.observe.log import rank_log_path, setup_logging
-    from ddptrain.parallel import hostmem, netinfo
+    from ddptrain.parallel import netinfo
     from ddptrain.parallel.distributed import distributed
     from ddptrain.parallel.procenv import LOCAL_LAUNCH_ENV, name_worker, read_launch_env
     from ddptrain.parallel.watchdog import record_for_launcher
@@ -68,9 +68,6 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
         if read_launch_env().launched:
             name_worker(ctx.rank, ctx.world_size, run_dir)
         log.debug("address %s on interface %s, device %s", ctx.addr, ctx.interface, ctx.device)
-        if cfg.strategy != "ddp" and ctx.device.type == "cpu" and hostmem.return_freed_blocks():
-            log.debug("%s on CPU: freed blocks of >= %d bytes go back to the system (glibc mmap threshold)",
-                      cfg.strategy, hostmem.THRESHOLD_BYTES)
         if ctx.is_main and ctx.world_size > 1:
             log.info("ranks by host: %s", netinfo.describe_hosts(ctx.hosts, ctx.addrs))
         trainer = None

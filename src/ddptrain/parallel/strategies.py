@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddptrain.config import TrainConfig, load_plugin
 from ddptrain.errors import TrainingError, UsageError
 from ddptrain.models import hf
-from ddptrain.parallel import materialize
+from ddptrain.parallel import hostmem, materialize
 from ddptrain.parallel.distributed import DistributedContext
 
 log = logging.getLogger("ddptrain")
@@ -120,6 +120,9 @@ class ShardedParallel:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         self.module, self.ctx, self.name = module, ctx, cfg.strategy
+        if ctx.device.type == "cpu" and hostmem.return_freed_blocks():  # before the first unit is gathered
+            log.debug("%s on CPU: freed blocks of >= %d bytes go back to the system (glibc mmap threshold)",
+                      cfg.strategy, hostmem.THRESHOLD_BYTES)
         self.reduce_every_micro_step = cfg.fsdp_reduce_every_micro_step
         nodes = ctx.world_size // ctx.local_world_size if cfg.strategy == "hsdp" else 1
         if cfg.strategy == "hsdp" and (ctx.world_size % ctx.local_world_size or nodes < 2):

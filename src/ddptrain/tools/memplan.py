@@ -44,7 +44,6 @@ from ddptrain.observe.perf import values_unknown
 from ddptrain.parallel.strategies import fsdp_blocks
 
 MIB = 1 << 20
-OPTIMIZER_STATES = {"sgd": lambda momentum: 1 if momentum else 0, "adamw": lambda momentum: 2}
 
 
 @dataclass(frozen=True)
@@ -84,26 +83,39 @@ class Footprint:
     """Bytes one rank holds at its peak, by kind, and the moment of the peak."""
 
     ranks: int
-    params: int
-    grads: int
-    optimizer: int
-    gathered: int  # whole parameters, their gradients and FSDP2's buffers
-    activations: int
+    params: int  # this rank's parameter shards
+    grads: int  # its gradient shards once backward is done
+    optimizer: int  # its optimizer state
+    grads_at_peak: int  # the gradient shards already written at the peak (backward fills them unit by unit)
+    gathered: int  # whole parameters, their gradients and FSDP2's buffers, at the peak
+    activations: int  # saved for backward and still alive at the peak
     offloaded: bool  # params, grads and optimizer state on the host (--cpu_offload)
     moment: str
 
     @property
-    def at_rest(self) -> int:
+    def held(self) -> int:
+        """What the rank keeps between steps: its shards of parameters, gradients and optimizer state."""
         return self.params + self.grads + self.optimizer
 
     @property
+    def state_at_peak(self) -> int:
+        return self.params + self.grads_at_peak + self.optimizer
+
+    @property
     def device_peak(self) -> int:
-        return self.gathered + self.activations + (0 if self.offloaded else self.at_rest)
+        return self.gathered + self.activations + (0 if self.offloaded else self.state_at_peak)
 
     @property
     def total(self) -> int:
-        """Host and device together (a CPU run's one memory)."""
-        return self.gathered + self.activations + self.at_rest
+        """Host and device together at the peak (a CPU run's one memory)."""
+        return self.gathered + self.activations + self.state_at_peak
+
+
+def optimizer_states(optimizer: str, momentum: float) -> int:
+    """Tensors of a parameter's shape the optimizer keeps per parameter: AdamW's two moments, SGD's momentum."""
+    if optimizer == "adamw":
+        return 2
+    return 1 if momentum else 0
 
 
 def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
@@ -112,14 +124,15 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
     weight = 2 if sharded and cfg.param_dtype == "bf16" else 4
     compute = 2 if cfg.use_amp or weight == 2 else 4
     reduce = 2 if sharded and cfg.reduce_dtype == "bf16" else 4
-    states = OPTIMIZER_STATES[cfg.optimizer](cfg.momentum) * weight
+    states = optimizer_states(cfg.optimizer, cfg.momentum) * weight
     units, root = shape.units, shape.units[-1]
     share = (lambda n: math.ceil(n / ranks)) if sharded else (lambda n: n)
     params = share(shape.elements) * weight
+    grads = share(shape.trainable) * weight
     optimizer = share(shape.trainable) * states
     acts = [int(u.activations * compute / 4) for u in units]
     if not sharded:  # DDP's gradient buckets are allocated once and hold every gradient; activations peak at the loss
-        return Footprint(ranks, params, shape.trainable * weight, optimizer, 0, sum(acts), False, "end of forward")
+        return Footprint(ranks, params, grads, optimizer, grads, 0, sum(acts), False, "end of forward")
     held = {root.name} if cfg.reshard_after_forward else {u.name for u in units}  # gathered forward to backward
     held_bytes = sum(u.elements for u in units if u.name in held) * compute
     # With accumulation the whole model's unsharded gradients wait between micro-steps, in --reduce_dtype.
@@ -128,10 +141,12 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
     def gathered(unit: Unit) -> int:  # FSDP2's flat all-gather buffer and the copy-out of a unit not held
         return 0 if unit.name in held else 2 * unit.elements * compute
 
+    def in_forward(unit: Unit) -> int:  # a held unit's copy-out is in held_bytes; its flat buffer lives on
+        return unit.elements * compute if unit.name in held else gathered(unit)
+
     moments = []  # (moment, gradient shards, gathered, activations)
-    for i, unit in enumerate(units):  # forward: unit i gathered (its flat buffer, if held)
-        moments.append((f"forward of {unit.name}", 0, held_bytes + (gathered(unit) or unit.elements * compute),
-                        sum(acts[:i + 1])))
+    for i, unit in enumerate(units):
+        moments.append((f"forward of {unit.name}", 0, held_bytes + in_forward(unit), sum(acts[:i + 1])))
     done = 0
     for i in reversed(range(len(units))):  # backward: unit i's whole gradients and reduce-scatter input, and the
         unit = units[i]                      # next unit of backward gathered ahead (FSDP2's prefetch)
@@ -141,8 +156,8 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
         if reduce != weight:  # the reduce-scatter's output in --reduce_dtype, before its cast into the shards
             working += share(unit.trainable) * reduce
         moments.append((f"backward of {unit.name}", done, working, sum(acts[:i + 1])))
-    moment, grads, working, alive = max(moments, key=lambda m: m[1] + m[2] + m[3])
-    return Footprint(ranks, params, grads, optimizer, working, alive, cfg.cpu_offload, moment)
+    moment, grads_at_peak, working, alive = max(moments, key=lambda m: m[1] + m[2] + m[3])
+    return Footprint(ranks, params, grads, optimizer, grads_at_peak, working, alive, cfg.cpu_offload, moment)
 
 
 def model_shape(cfg: TrainConfig, activation_mib: float | None = None) -> ModelShape:

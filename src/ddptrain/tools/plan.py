@@ -439,8 +439,11 @@ def render_memory(cfg: Any, shape: memplan.ModelShape, footprints: list[memplan.
     names = ["ranks", "params MiB", "grads MiB", "optimizer MiB", "gathered MiB", "activations MiB",
              "peak MiB/rank", "peak / fp32 model", "at"]
     fp32 = 4 * shape.elements
-    rows = [[str(f.ranks), *(f"{b / MIB:.0f}" for b in (f.params, f.grads, f.optimizer, f.gathered, f.activations)),
-             f"{f.device_peak / MIB:.0f}", f"{f.device_peak / fp32:.2f}x", f.moment] for f in footprints]
+    rows = []
+    for f in footprints:  # the kinds at the peak's moment: they add up to the peak
+        kinds = (f.params, f.grads_at_peak, f.optimizer, f.gathered, f.activations)
+        rows.append([str(f.ranks), *(f"{b / MIB:.0f}" for b in kinds), f"{f.device_peak / MIB:.0f}",
+                     f"{f.device_peak / fp32:.2f}x", f.moment])
     notes = ("peak = what the rank holds at its fullest moment of a step: its share of parameters, gradients and "
              "optimizer state, the unit being computed gathered whole with its gradients and FSDP2's buffers, the "
              "activations still saved; plus the framework itself (CUDA context, libraries: measure a tiny "
