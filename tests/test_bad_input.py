@@ -138,14 +138,15 @@ def test_ddps_unused_parameter_error_at_a_later_step_is_a_usage_error_naming_the
     assert usage_error_of(RuntimeError("the disk went away"), None, "--model mlp") is None
 
 
-def test_the_launcher_reports_the_first_line_of_a_workers_error(tmp_path, capsys):
-    from ddptrain.parallel.launch import _report_failure
+def test_the_launcher_reports_the_first_line_of_a_workers_error(tmp_path):
+    from ddptrain.parallel.launch import _failure_outcome
 
     error = ddp_unused_parameter_error()
     message = {"message": f"RuntimeError: {error}", "extraInfo": {"timestamp": "0"}}
     failure = SimpleNamespace(exitcode=1, message=message, timestamp=0, error_file_data={"message": message})
-    assert _report_failure(SimpleNamespace(failures={0: failure}), tmp_path, 0.0, "train") == 1
-    line = capsys.readouterr().err.strip()
+    outcome = _failure_outcome(SimpleNamespace(failures={0: failure}), tmp_path, 0.0, "training")
+    assert outcome.code == 1 and len(outcome.lines) == 1
+    line = outcome.lines[0]
     assert "\n" not in line
     assert "rank 0 on host" in line and "RuntimeError: Expected to have finished reduction in the prior iteration" \
         in line, line

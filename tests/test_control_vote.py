@@ -58,15 +58,15 @@ def test_a_worker_stopped_by_the_agent_after_a_peer_s_preemption_exit_is_still_a
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from ddptrain.parallel.launch import _report_failure
+    from ddptrain.parallel.launch import _failure_outcome
 
     started = time.time()
     failures = {0: ProcessFailure(local_rank=0, pid=1, exitcode=75, error_file="/nonexistent"),
                 1: ProcessFailure(local_rank=1, pid=2, exitcode=-signal.SIGTERM, error_file="/nonexistent")}
     exc = ChildFailedError("ddptrain", failures)
-    assert _report_failure(exc, tmp_path, started, "train") == 1, "no marker: not a preemption"
+    assert _failure_outcome(exc, tmp_path, started, "training").code == 1, "no marker: not a preemption"
     (tmp_path / "PREEMPTED").write_text(json.dumps({"step": 9, "signal": "SIGTERM", "time": time.time()}))
-    assert _report_failure(exc, tmp_path, started, "train") == 75
+    assert _failure_outcome(exc, tmp_path, started, "training").code == 75
 
 
 def test_a_train_line_rides_on_the_vote_cast_at_its_boundary(tmp_path):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
 import torch
+from ddptrain.parallel.launch import PEER_LOSS_MARKERS
 from helpers import REPO, cli_env, metrics, one_line_error, run_python, train, weights
 
 JOB = ["--max_steps", "40", "--dataset_size", "2048", "--epochs", "1", "--save_every", "0"]
@@ -99,12 +102,22 @@ def test_fit_with_nproc_restarts_a_killed_worker_as_the_cli_does(tmp_path):
     proc = run_python([str(REPO / "tests" / "fit_script.py"), str(tmp_path / "one"), "6", "2", "1"], env=killed,
                       cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "rank 1 was killed by SIGKILL; restarting the workers (1 restarts left)" in proc.stderr
+    assert "Worker group FAILED. 1/1 attempts left; will restart worker group" in proc.stderr  # the CLI's agent
     assert json.loads(proc.stdout.splitlines()[-1])["step"] == 6
     assert "resuming from" in (tmp_path / "one" / "logs" / "rank-0.log").read_text()
     proc = run_python([str(REPO / "tests" / "fit_script.py"), str(tmp_path / "two"), "6", "2"], env=killed,
                       cwd=tmp_path, timeout=300)
-    assert proc.returncode == 1 and "failed: TrainingError: rank 1 was killed by SIGKILL" in proc.stdout, proc.stdout
+    assert proc.returncode == 1, proc.stdout
+    # The CLI's line, raised. Which rank it names: the agent reports the first failed process it finds, and when
+    # rank 0's "connection closed" error is found before rank 1's death, rank 1 (killed, no error of its own)
+    # is not among the failures it reports.
+    line = proc.stdout.splitlines()[-1]
+    named = re.fullmatch(rf"failed: TrainingError: training failed: rank (\d) on host {os.uname().nodename}: "
+                         r"(.*); its log: (.*)", line)
+    assert named, line
+    rank, why, log = named.groups()
+    assert log == str(tmp_path / "two" / "logs" / f"rank-{rank}.log"), line
+    assert ("SIGKILL" in why) if rank == "1" else any(marker in why for marker in PEER_LOSS_MARKERS), line
 
 
 FIT_A_MODULE = """
@@ -143,3 +156,40 @@ def test_fit_with_nproc_gives_the_trained_weights_back_to_the_module_passed_in(t
     assert after.keys() == final.keys()
     assert all(torch.equal(after[k], final[k]) for k in final), "the module holds the run's final weights"
     assert not all(torch.equal(after[k], before[k]) for k in before), "and they are trained, not the initial ones"
+
+
+FIT_TWICE = """
+import json, os, signal
+
+import ddptrain
+from ddptrain.data.pipeline import SyntheticImages
+
+
+def caller_state():
+    return dict(os.environ), {sig: signal.getsignal(sig) for sig in signal.valid_signals()
+                              if sig not in (signal.SIGKILL, signal.SIGSTOP)}
+
+
+if __name__ == "__main__":
+    before = caller_state()
+    data = SyntheticImages(256, num_classes=4, channels=1, image_size=8, seed=3)
+    steps = []
+    for run_dir, nproc in (("a", 2), ("b", 2), ("c", 0)):
+        config = ddptrain.TrainConfig(model="mlp", num_classes=4, in_channels=1, image_size=8, width=16,
+                                      batch_size=16, max_steps=2, save_every=0, num_workers=0, progress=False,
+                                      nproc=nproc, run_dir=run_dir)
+        steps.append(ddptrain.fit(train_data=data, config=config)["step"])
+        assert caller_state() == before, run_dir
+    print(json.dumps(steps))
+"""
+
+
+def test_fit_with_nproc_leaves_the_callers_process_as_it_found_it(tmp_path):
+    """`fit(nproc=N)` runs the CLI's launcher in the user's process: the agent's signal handlers and the
+    launcher's environment (whose LOCAL_LAUNCH_ENV would tell a later in-process `fit` that a launcher wrote
+    its config) must not outlive the call; a second call reuses the workers' server."""
+    (tmp_path / "fit_twice.py").write_text(FIT_TWICE)
+    proc = run_python([str(tmp_path / "fit_twice.py")], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [2, 2, 2]
+    assert all((tmp_path / run / "config.toml").is_file() for run in "abc")  # written by the launcher, then rank 0

@@ -5,8 +5,9 @@
                            config=ddptrain.TrainConfig(epochs=3, batch_size=32, nproc=2))
 
 - Run as a plain script, `fit` trains in this process (world size 1), or with `nproc = N` starts N local
-  worker processes itself (the `mp.spawn` pattern: each imports your script, so guard the call with
-  `if __name__ == "__main__":`; model, data and task must pickle);
+  worker processes itself, as `ddptrain train --nproc N` does (`launch_workers`: each worker imports your
+  script, as under `mp.spawn`, so guard the call with `if __name__ == "__main__":`; model, data and task must
+  pickle);
 - under torchrun (RANK set), each process runs its part of the job: `torchrun --nproc-per-node 2 my.py`.
 
 `ddptrain train` is a thin layer over `train_worker`, the same path each process takes here.
@@ -24,7 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.config import TrainConfig
-from ddptrain.errors import Preempted, TrainingError, UsageError, first_line
+from ddptrain.errors import (
+    EXIT_FAILURE,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    Preempted,
+    TrainingError,
+    UsageError,
+    first_line,
+)
 from ddptrain.parts import Parts
 
 __all__ = ["fit", "train_worker", "Parts", "WorkerFailed"]
@@ -44,7 +53,7 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
     this rank, its host and the step; the process groups are then aborted rather than destroyed.
     """
     from ddptrain.checkpoints import runlock
-    from ddptrain.checkpoints.format import refuse_changed_settings, write_resolved
+    from ddptrain.checkpoints.format import settle_settings
     from ddptrain.loop.sanity import plugin_names, usage_error_of
     from ddptrain.loop.trainer import Trainer
     from ddptrain.observe.log import rank_log_path, setup_logging
@@ -76,11 +85,9 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
                 refusal = None
                 if ctx.is_main:
                     try:
-                        refuse_changed_settings(cfg)
+                        settle_settings(cfg)
                     except UsageError as exc:
                         refusal = str(exc)
-                    else:
-                        write_resolved(cfg, run_dir)
                 refusal = ctx.broadcast_object(refusal)  # every rank exits alike
                 if refusal is not None:
                     raise UsageError(refusal)
@@ -183,63 +190,56 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
     if env.launched or not cfg.nproc:
         summary = train_worker(cfg, parts)  # an nn.Module passed in is the one that trained
         return {**summary, "weights": str(weights)} if env.rank == 0 else None
-    summary = _spawn(cfg, parts)
+    outcome = launch_workers(cfg, _fit_worker, (cfg, parts))
+    for line in outcome.lines if outcome.code == 0 else ():
+        print(f"ddptrain: {line}", file=sys.stderr)
+    if outcome.code == EXIT_USAGE:
+        raise UsageError("; ".join(line.removeprefix("error: ") for line in outcome.lines))
+    if outcome.code == EXIT_PREEMPTED and outcome.preempted:
+        raise Preempted(outcome.preempted["step"], str(outcome.preempted.get("signal", "a signal")))
+    if outcome.code:
+        raise TrainingError(outcome.lines[0] if outcome.lines else f"the workers exited with code {outcome.code}")
     from torch import nn
 
     if isinstance(model, nn.Module):  # the workers trained copies of it: give it their final weights
         from safetensors.torch import load_file
 
         model.load_state_dict(load_file(str(weights)))
-    return {**summary, "weights": str(weights)}
+    return {**(outcome.returned or {}), "weights": str(weights)}
 
 
-def _spawn(cfg: TrainConfig, parts: Parts) -> dict[str, Any]:
-    """`cfg.nproc` local workers with torchrun's environment on a free port; rank 0's summary. A failed attempt
-    is started again, up to `cfg.max_restarts` times, as `ddptrain train --nproc` does: the workers resume from
-    the newest committed checkpoint."""
-    import torch.multiprocessing as mp
-
+def launch_workers(cfg: TrainConfig, target: Any, args: tuple) -> Any:
+    """`cfg.nproc` local workers, each running `target(*args)` (`launch.launch_local`): the one way both
+    `ddptrain train --nproc` and `fit(nproc=...)` start them. This process outlives the workers' restarts, so it
+    holds the job's run lock (the workers know it as theirs by the token), refuses changed settings and writes
+    config.toml once; returns the launch's `Outcome`."""
     from ddptrain.checkpoints import runlock
-    from ddptrain.parallel.procenv import free_port
+    from ddptrain.checkpoints.format import settle_settings
+    from ddptrain.parallel.launch import caller_kept, launch_local, start_worker_server
 
-    context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    # As `ddptrain train --nproc`'s launcher: this process holds the job's lock, its workers get the token.
-    with runlock.acquire(runlock.job_dirs(cfg)) as lock:
-        for attempt in range(cfg.max_restarts + 1):
-            try:
-                mp.start_processes(_spawned, args=(cfg, free_port(), parts, results, lock.token, attempt),
-                                   nprocs=cfg.nproc, start_method="spawn")
-                return results.get()
-            except mp.ProcessRaisedException as exc:
-                last = str(exc).strip().splitlines()[-1]  # "module.Class: message" of the worker's exception
-                if last.startswith("ddptrain.errors.UsageError: "):
-                    raise UsageError(last.split(": ", 1)[1]) from None
-                failure = f"rank {exc.error_index} failed: {last}"
-            except mp.ProcessExitedException as exc:
-                how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
-                failure = f"rank {exc.error_index} {how}"
-            if attempt == cfg.max_restarts:
-                raise TrainingError(failure + (f" (after {attempt} restarts)" if attempt else ""))
-            print(f"ddptrain: {failure}; restarting the workers ({cfg.max_restarts - attempt} restarts left)",
-                  file=sys.stderr, flush=True)
-            cfg = dataclasses.replace(cfg, auto_resume=True)  # this run's own checkpoints, now
-    raise AssertionError("unreachable")
+    with caller_kept():  # `fit` runs in the user's process: its environment and signal handlers stay theirs
+        start_worker_server(cfg.nproc)  # before this process holds anything: workers start from a clean state
+        with runlock.acquire(runlock.job_dirs(cfg)) as lock:
+            settle_settings(cfg)  # with the launch settings
+            os.environ[runlock.TOKEN_ENV] = lock.token
+            return launch_local(target, args, cfg.nproc, cfg.max_restarts, Path(cfg.run_dir))
 
 
-def _spawned(rank: int, cfg: TrainConfig, port: int, parts: Parts, results: Any, lock_token: str,
-             attempt: int) -> None:
-    from ddptrain.checkpoints.runlock import TOKEN_ENV
+def _fit_worker(cfg: TrainConfig, parts: Parts) -> dict[str, Any] | None:
+    """A worker of `fit(nproc=N)`: its part of the job; the summary back to the launcher, an exit code (and the
+    error file the launcher reads) as `ddptrain train`'s workers give them."""
+    from ddptrain.parallel.watchdog import record_for_launcher
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.nproc),
-                      LOCAL_WORLD_SIZE=str(cfg.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ[TOKEN_ENV] = lock_token
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)  # as torch's agent numbers them (faults.py reads it)
-    if "OMP_NUM_THREADS" not in os.environ:  # as `--nproc` gives its workers: the cores shared out
-        import torch
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.nproc))
-    summary = train_worker(cfg, parts)
-    if rank == 0:
-        results.put(summary)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        cfg = dataclasses.replace(cfg, auto_resume=True)  # a restart resumes this run's own checkpoints
+    try:
+        return train_worker(cfg, parts)
+    except UsageError as exc:
+        record_for_launcher(exc)
+        code = EXIT_USAGE
+    except Preempted:
+        code = EXIT_PREEMPTED
+    except WorkerFailed:  # reported by train_worker
+        code = EXIT_FAILURE
+    sys.exit(code)
 

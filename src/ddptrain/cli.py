@@ -99,25 +99,26 @@ def cmd_train(argv: list[str]) -> int:
                              "(RANK is set); drop --nproc and use the launcher's --nproc-per-node")
         return run_worker(cfg)
     if cfg.nproc:
-        from ddptrain.parallel.launch import launch_local, start_worker_server, strip_flag
+        from ddptrain.parallel.launch import start_worker_server, strip_flag
 
         start_worker_server(cfg.nproc)  # it imports torch and the trainer while this process imports torch
-        from ddptrain.checkpoints import runlock
-        from ddptrain.checkpoints.format import refuse_changed_settings, write_resolved
+        from ddptrain.api import launch_workers
 
-        run_dir = Path(cfg.run_dir)
-        # The launcher writes config.toml and outlives its workers' restarts: it holds the job's lock, and its
-        # workers know that lock as theirs by the token.
-        with runlock.acquire(runlock.job_dirs(cfg)) as lock:
-            refuse_changed_settings(cfg)
-            write_resolved(cfg, run_dir)  # with the launch settings
-            os.environ[runlock.TOKEN_ENV] = lock.token
-            worker_argv = strip_flag(strip_flag(argv, "--nproc"), "--max_restarts")
-            try:
-                return launch_local(main, "train", worker_argv, cfg.nproc, cfg.max_restarts, run_dir)
-            finally:
-                del os.environ[runlock.TOKEN_ENV]
+        worker_argv = strip_flag(strip_flag(argv, "--nproc"), "--max_restarts")
+        outcome = launch_workers(cfg, run_command, ("train", worker_argv))
+        for line in outcome.lines:
+            sys.stderr.write(f"ddptrain: {line}\n")
+        return outcome.code
     return run_worker(cfg)
+
+
+def run_command(command: str, argv: list[str]) -> None:
+    """A worker of `ddptrain <command> --nproc N`: `ddptrain <command> argv` under the launcher's agent, which
+    reads its exit code."""
+    sys.argv = ["ddptrain", command, *argv]
+    code = main([command, *argv])
+    if code:
+        sys.exit(code)
 
 
 def run_worker(cfg) -> int:

@@ -409,6 +409,13 @@ def resume_changes(cfg: Any) -> tuple[Path | None, list[str]]:
     return path, setting_changes(saved, cfg)
 
 
+def settle_settings(cfg: Any) -> None:
+    """The job's settings, once per job, by the process that outlives its workers' restarts (a local launcher,
+    else rank 0): refuse settings that changed since the checkpoint this run resumes, then write config.toml."""
+    refuse_changed_settings(cfg)
+    write_resolved(cfg, Path(cfg.run_dir))
+
+
 def refuse_changed_settings(cfg: Any) -> None:
     """UsageError if `cfg` would resume a checkpoint trained with other training settings and does not say
     --accept_config_change. Before anything is written into the run dir."""

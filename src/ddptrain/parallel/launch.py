@@ -1,31 +1,38 @@
-"""`ddptrain train --nproc N`: N local workers through torch.distributed's elastic agent (what torchrun runs).
+"""N local workers through torch.distributed's elastic agent (what torchrun runs): `ddptrain train --nproc N`
+and `ddptrain.fit(nproc=N)` alike.
 
-Each worker runs `ddptrain <command> ...` (`cli.main`) with torchrun's environment, so the local path and a
-cluster's `torchrun -m ddptrain train` path execute the same code. On failure the agent restarts all workers
-(`--max_restarts`), and they resume from the newest committed checkpoint.
+Each worker runs the caller's target: the CLI's is `ddptrain train ...` (`cli.main`) with torchrun's
+environment, so the local path and a cluster's `torchrun -m ddptrain train` path execute the same code; `fit`'s
+is `api.train_worker` with the user's model and data (pickled, as `mp.spawn` would). On failure the agent
+restarts all workers (`--max_restarts`), and they resume from the newest committed checkpoint. How the launch
+ended comes back as an `Outcome` (exit code, the lines that say why, rank 0's return value): the CLI prints it,
+`fit` raises it.
 
 The workers are forked from a forkserver that imported torch and the trainer once (`start_worker_server`),
 not started as fresh interpreters: importing those costs seconds of CPU per process (docs/performance.md),
 which a launch paid once per worker and again at every restart. The launcher starts the forkserver before it
-imports torch itself, so the two imports run side by side. Each worker then takes the shape a fresh one had: a session of its
-own (as torch's subprocess workers), the default signal handlers, the launcher's environment.
+imports torch itself, so the two imports run side by side. Each worker then takes the shape a fresh one had: a
+session of its own (as torch's subprocess workers), the default signal handlers, the launcher's environment.
+A launch leaves the calling process as it found it (environment, signal handlers): `fit` runs in the user's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from multiprocessing import forkserver
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE
 from ddptrain.observe.log import rank_log_path
@@ -82,9 +89,9 @@ def start_worker_server(nproc: int) -> None:
     forkserver.ensure_running()
 
 
-def _worker(entry: Callable[[list[str]], int], command: str, argv: list[str], environ: dict[str, str]) -> None:
-    """One worker of `launch_local`, in a process forked from the forkserver: `ddptrain <command> argv`, run by
-    `entry` (the command line's `cli.main`, passed in by its caller: the launcher never imports the CLI)."""
+def _worker(target: Callable[..., Any], args: tuple, environ: dict[str, str]) -> Any:
+    """One worker of `launch_local`, in a process forked from the forkserver: `target(*args)`, its return value
+    passed back to the launcher."""
     os.setsid()  # as torch starts a subprocess worker: the launcher's terminal signals reach it through the agent
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):  # ignored by the forkserver (parallel.forkserver)
         signal.signal(sig, signal.SIG_DFL)
@@ -94,12 +101,11 @@ def _worker(entry: Callable[[list[str]], int], command: str, argv: list[str], en
     for key, value in environ.items():
         os.environ.setdefault(key, value)
     _exit_with_launcher(int(os.environ[LAUNCHER_PID_ENV]))
-    sys.argv = ["ddptrain", command, *argv]
-    code = entry([command, *argv])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code:
-        sys.exit(code)
+    try:
+        return target(*args)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def _exit_with_launcher(pid: int) -> None:
@@ -132,10 +138,22 @@ def _exit_with_launcher(pid: int) -> None:
     threading.Thread(target=wait_then_exit, name="ddptrain-launcher-watch", daemon=True).start()
 
 
-def launch_local(entry: Callable[[list[str]], int], command: str, argv: list[str], nproc: int, max_restarts: int,
-                 run_dir: Path | None) -> int:
-    """Run `ddptrain <command> argv` on `nproc` local workers, each by `entry([command, *argv])` (a module-level
-    function: it reaches the workers pickled by name); return the job's exit code."""
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How a launch ended: the job's exit code (0, 75 preempted, 2 bad input, 1 failed, 128 + a signal), the
+    lines that say why (for stderr, after "ddptrain: "), rank 0's return value, and the preemption's record."""
+
+    code: int
+    lines: tuple[str, ...] = ()
+    returned: Any = None
+    preempted: dict | None = None
+
+
+def launch_local(target: Callable[..., Any], args: tuple, nproc: int, max_restarts: int, run_dir: Path | None,
+                 what: str = "training") -> Outcome:
+    """Run `target(*args)` on `nproc` local workers (a module-level function and picklable arguments: they reach
+    the workers by pickle); restart them all up to `max_restarts` times when one fails. The agent installs its
+    signal handlers in this process and sets TORCHELASTIC_* variables: `caller_kept` undoes that."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -153,23 +171,38 @@ def launch_local(entry: Callable[[list[str]], int], command: str, argv: list[str
     if "LOGLEVEL" not in os.environ:  # the user asked for the agent's own logs: keep them all
         quiet_agent_logs()
     try:
-        elastic_launch(config, _worker)(entry, command, argv, dict(os.environ))
-        return 0
+        returned = elastic_launch(config, _worker)(target, args, dict(os.environ))
+        return Outcome(0, returned=returned.get(0))
     except ChildFailedError as exc:
-        return _report_failure(exc, run_dir, started, command)
+        return _failure_outcome(exc, run_dir, started, what)
     except SignalException as exc:
         finished = _marker_since(run_dir, FINISHED_MARKER, started)
         if finished:  # the signal reached this launcher while the workers tore down a complete run
-            print(f"ddptrain: {exc.sigval.name} after the run finished at step {finished['step']} (final weights "
-                  "written); exit 0", file=sys.stderr)
-            return 0
+            return Outcome(0, (f"{exc.sigval.name} after the run finished at step {finished['step']} (final "
+                               "weights written); exit 0",))
         preempted = _preempted_since(run_dir, started)
         if preempted:
-            print(f"ddptrain: preempted by {exc.sigval.name}: checkpoint of step {preempted['step']} committed; "
-                  f"exit {EXIT_PREEMPTED} (run the same command to resume)", file=sys.stderr)
-            return EXIT_PREEMPTED
-        print(f"ddptrain: stopped by {exc.sigval.name} before a checkpoint committed", file=sys.stderr)
-        return 128 + int(exc.sigval)
+            return Outcome(EXIT_PREEMPTED, (f"preempted by {exc.sigval.name}: checkpoint of step "
+                                            f"{preempted['step']} committed; exit {EXIT_PREEMPTED} (run the same "
+                                            "command to resume)",), preempted=preempted)
+        return Outcome(128 + int(exc.sigval), (f"stopped by {exc.sigval.name} before a checkpoint committed",))
+
+
+@contextlib.contextmanager
+def caller_kept():
+    """The calling process's environment and signal handlers as they were, after a launch changed them (the
+    forkserver's settings, the agent's handlers and its TORCHELASTIC_* variables)."""
+    environ = dict(os.environ)
+    names = [name.strip() for name in FORWARDED_SIGNALS.split(",")]
+    handlers = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names)}
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 class _AgentNoise(logging.Filter):
@@ -262,7 +295,7 @@ def _recorded(failure) -> bool:
     return bool(failure.error_file_data)
 
 
-def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float, command: str) -> int:
+def _failure_outcome(exc: ChildFailedError, run_dir: Path | None, started: float, what: str) -> Outcome:
     """One line naming the root-cause rank, host and error; exit code 75 / 2 / 1 as the workers said."""
     codes = {f.exitcode for f in exc.failures.values()}
     # A preemption notice that reached the workers but not this launcher: the first worker to exit 75 makes
@@ -273,27 +306,29 @@ def _report_failure(exc: ChildFailedError, run_dir: Path | None, started: float,
     if codes == {EXIT_PREEMPTED}:
         preempted = _preempted_since(run_dir, started) or {"step": "?"}
         why = "time limit " + preempted["signal"] if str(preempted.get("signal")).startswith("--") else "preempted"
-        print(f"ddptrain: {why}: checkpoint of step {preempted['step']} committed; exit {EXIT_PREEMPTED} "
-              "(run the same command to resume)", file=sys.stderr)
-        return EXIT_PREEMPTED
+        return Outcome(EXIT_PREEMPTED, (f"{why}: checkpoint of step {preempted['step']} committed; exit "
+                                        f"{EXIT_PREEMPTED} (run the same command to resume)",), preempted=preempted)
     if EXIT_USAGE in codes:
         # Every worker hit the same bad input: say it once.
         messages = dict.fromkeys(_failure_text(f).removeprefix("UsageError: ").strip()
                                  for f in exc.failures.values() if f.exitcode == EXIT_USAGE)
-        for message in messages:
-            print(f"ddptrain: error: {message}", file=sys.stderr)
-        return EXIT_USAGE
+        return Outcome(EXIT_USAGE, tuple(f"error: {message}" for message in messages))
     failures = _every_failure(exc)
     rank, failure = _root_cause(failures)
     message = _failure_text(failure)
     # The first line says what went wrong: torch's longer messages (DDP's) end with advice and details.
     message = message.strip().splitlines()[0] if message.strip() else f"exit code {failure.exitcode}"
     if failure.exitcode < 0 and not _recorded(failure):
-        message = f"killed by signal {-failure.exitcode}"
+        message = f"killed by {_signal_name(-failure.exitcode)}"
     host = os.uname().nodename
     others = sorted(r for r in failures if r != rank)
     also = f" (also failed: rank {', '.join(map(str, others))})" if others else ""
     where = f"; its log: {rank_log_path(run_dir, rank)}" if run_dir else ""
-    what = "training" if command == "train" else command
-    print(f"ddptrain: {what} failed: rank {rank} on host {host}: {message}{also}{where}", file=sys.stderr)
-    return EXIT_FAILURE
+    return Outcome(EXIT_FAILURE, (f"{what} failed: rank {rank} on host {host}: {message}{also}{where}",))
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
