@@ -138,6 +138,28 @@ def test_ddps_unused_parameter_error_at_a_later_step_is_a_usage_error_naming_the
     assert usage_error_of(RuntimeError("the disk went away"), None, "--model mlp") is None
 
 
+def test_the_launcher_names_a_rank_that_died_silently_before_the_peer_that_lost_it(tmp_path):
+    """A rank killed without a word leaves no error; the peer on its host that lost it records its end for it
+    (watchdog.record_vanished_peers). The launcher names a rank's own error first, then such a recorded end,
+    and a lost connection last, whatever their timestamps."""
+    from ddptrain.parallel.launch import _failure_outcome
+    from ddptrain.parallel.procenv import VANISHED
+
+    def failure(text: str, timestamp: int) -> SimpleNamespace:
+        message = {"message": text, "extraInfo": {"timestamp": str(timestamp)}}
+        return SimpleNamespace(exitcode=1, message=message, timestamp=timestamp, error_file_data={"message": message})
+
+    lost = failure("RuntimeError: [pair.cc:537] Read error [127.0.0.1]:3818: Connection reset by peer", 1)
+    vanished = failure(f"{VANISHED}its process (pid 42) ended without an error of its own", 5)
+    (line,) = _failure_outcome(SimpleNamespace(failures={0: lost, 1: vanished}), tmp_path, 0.0, "training").lines
+    assert "rank 1 on host" in line and ": its process (pid 42) ended without an error of its own (also failed: " \
+        "rank 0)" in line, line
+    own = failure("ValueError: a bad batch", 9)
+    (line,) = _failure_outcome(SimpleNamespace(failures={0: lost, 1: vanished, 2: own}), tmp_path, 0.0,
+                               "training").lines
+    assert "rank 2 on host" in line and "ValueError: a bad batch" in line, line
+
+
 def test_the_launcher_reports_the_first_line_of_a_workers_error(tmp_path):
     from ddptrain.parallel.launch import _failure_outcome
 

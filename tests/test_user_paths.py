@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import torch
-from ddptrain.parallel.launch import PEER_LOSS_MARKERS
 from helpers import REPO, cli_env, metrics, one_line_error, run_python, train, weights
 
 JOB = ["--max_steps", "40", "--dataset_size", "2048", "--epochs", "1", "--save_every", "0"]
@@ -108,16 +107,12 @@ def test_fit_with_nproc_restarts_a_killed_worker_as_the_cli_does(tmp_path):
     proc = run_python([str(REPO / "tests" / "fit_script.py"), str(tmp_path / "two"), "6", "2"], env=killed,
                       cwd=tmp_path, timeout=300)
     assert proc.returncode == 1, proc.stdout
-    # The CLI's line, raised. Which rank it names: the agent reports the first failed process it finds, and when
-    # rank 0's "connection closed" error is found before rank 1's death, rank 1 (killed, no error of its own)
-    # is not among the failures it reports.
+    # The CLI's line, raised, naming the killed rank: whether the agent found its death first, or rank 0's
+    # "connection closed" error first (rank 0 then recorded rank 1's end in rank 1's error file).
     line = proc.stdout.splitlines()[-1]
-    named = re.fullmatch(rf"failed: TrainingError: training failed: rank (\d) on host {os.uname().nodename}: "
-                         r"(.*); its log: (.*)", line)
-    assert named, line
-    rank, why, log = named.groups()
-    assert log == str(tmp_path / "two" / "logs" / f"rank-{rank}.log"), line
-    assert ("SIGKILL" in why) if rank == "1" else any(marker in why for marker in PEER_LOSS_MARKERS), line
+    assert line.startswith(f"failed: TrainingError: training failed: rank 1 on host {os.uname().nodename}: "), line
+    assert re.search(r": (Signal 9 \(SIGKILL\)|killed by SIGKILL|its process \(pid \d+\) ended without an error)", line), line
+    assert line.endswith(f"; its log: {tmp_path / 'two' / 'logs' / 'rank-1.log'}"), line
 
 
 FIT_A_MODULE = """

@@ -110,8 +110,11 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
             # The traceback goes once, into this rank's log; the console gets one line per rank (and, from a
             # launcher, one naming the rank that failed first).
             _to_rank_log(log, f"failed at step {step}:\n{traceback.format_exc()}")
+            # A peer on this host that died without a word (SIGKILL, the OOM killer) gets its error file from here.
+            vanished = trainer.watchdog.record_vanished_peers(exc) if trainer is not None else []
             line = (f"rank {ctx.rank} on host {ctx.host} failed at step {step}: {type(exc).__name__}: {first_line(exc)}"
-                    f"{netinfo.lost_peers_note(str(exc), ctx.hosts, ctx.addrs, ctx.addr)}")
+                    f"{netinfo.lost_peers_note(str(exc), ctx.hosts, ctx.addrs, ctx.addr)}"
+                    + "".join(f"; lost rank {rank} on this host: its process ended without an error" for rank in vanished))
             sys.stderr.write(f"ddptrain: {line} (traceback in {rank_log_path(run_dir, ctx.rank)})\n")
             record_for_launcher(exc)
             traceback.clear_frames(exc.__traceback__)  # its frames' locals (the Trainer) become garbage now

@@ -38,6 +38,8 @@ from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE
 from ddptrain.observe.log import rank_log_path
 from ddptrain.parallel.procenv import (
     FINISHED_MARKER,
+    PEER_LOSS_MARKERS,
+    VANISHED,
     LAUNCH_TIME_ENV,
     LAUNCHER_PID_ENV,
     LOCAL_LAUNCH_ENV,
@@ -237,11 +239,6 @@ def _preempted_since(run_dir: Path | None, started: float) -> dict | None:
     return _marker_since(run_dir, PREEMPTED_MARKER, started)
 
 
-# Errors of a rank that lost a peer: the consequence of another rank's failure, not its cause.
-PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                     "NCCL communicator was aborted", "remote process exited")
-
-
 def _failure_text(failure) -> str:
     """The error message a worker recorded (a dict when written by torch's ErrorHandler)."""
     message = failure.message
@@ -282,12 +279,14 @@ def _root_cause(failures: dict):
     peer's own error (or a peer killed without an error file) can be named instead; errors that only say a
     peer went away rank after the others.
     """
-    def consequence(item) -> bool:
+    def tier(item) -> int:  # 0: the rank's own error; 1: its death, as a peer on its host saw it; 2: a consequence
         failure = item[1]
-        stopped_by_agent = failure.exitcode == -signal.SIGTERM and not _recorded(failure)
-        return stopped_by_agent or any(marker in _failure_text(failure) for marker in PEER_LOSS_MARKERS)
+        text = _failure_text(failure)
+        if failure.exitcode == -signal.SIGTERM and not _recorded(failure) or any(m in text for m in PEER_LOSS_MARKERS):
+            return 2
+        return 1 if text.startswith(VANISHED) else 0
 
-    return min(failures.items(), key=lambda item: (consequence(item), item[1].timestamp, item[0]))
+    return min(failures.items(), key=lambda item: (tier(item), item[1].timestamp, item[0]))
 
 
 def _recorded(failure) -> bool:
@@ -318,6 +317,7 @@ def _failure_outcome(exc: ChildFailedError, run_dir: Path | None, started: float
     message = _failure_text(failure)
     # The first line says what went wrong: torch's longer messages (DDP's) end with advice and details.
     message = message.strip().splitlines()[0] if message.strip() else f"exit code {failure.exitcode}"
+    message = message.removeprefix(VANISHED)
     if failure.exitcode < 0 and not _recorded(failure):
         message = f"killed by {_signal_name(-failure.exitcode)}"
     host = os.uname().nodename

@@ -24,6 +24,11 @@ LAUNCHER_PID_ENV = "DDPTRAIN_LAUNCHER_PID"  # the `--nproc` launcher, which its 
 # Rank 0's word to whoever started the job (the launcher, a SLURM script), each cleared when the run resumes:
 PREEMPTED_MARKER = "PREEMPTED"  # RUN_DIR/PREEMPTED: written after the preemption checkpoint commits
 FINISHED_MARKER = "FINISHED"  # RUN_DIR/FINISHED: the run is complete, its final weights written
+# Errors of a rank that lost a peer: the consequence of another rank's failure, not its cause.
+PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                     "NCCL communicator was aborted", "remote process exited")
+# How a rank's error file begins when a peer on its host wrote it: the rank's process ended without an error.
+VANISHED = "PeerVanished: "
 
 
 def fresh_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -15,6 +15,7 @@ Two hangs look alike from outside and differ inside:
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import logging
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from ddptrain.errors import EXIT_FAILURE
 from ddptrain.parallel.distributed import DistributedContext
+from ddptrain.parallel.procenv import PEER_LOSS_MARKERS
 
 log = logging.getLogger("ddptrain")
 # The order phases follow within one step: of two ranks idle in the same step, the one in the earlier phase
@@ -65,13 +67,25 @@ def _process_state(pid: int) -> tuple[str, str] | None:
     return fields[0], fields[19]  # stat fields 3 and 22 (after the command name, which may hold spaces)
 
 
+def _ended(facts: dict) -> bool:
+    """Whether the process a peer's facts describe has ended (gone, a zombie, or its pid reused)."""
+    state = _process_state(facts["pid"])
+    return state is None or state[0] in "ZX" or state[1] != facts["start"]
+
+
 class HangError(RuntimeError):
     pass
 
 
-def record_for_launcher(exc: BaseException, error_file: str | None = None) -> None:
-    """Write `exc` to torchelastic's error file (this process's, or `error_file`: a stopped peer's) so the
-    launcher reports it as that rank's root cause.
+class PeerVanished(RuntimeError):
+    """Recorded for a rank by a peer on its host: the rank's process ended without an error of its own."""
+    # Its record begins with procenv.VANISHED, its class's name: the launcher ranks it after the rank's own errors.
+
+
+def record_for_launcher(exc: BaseException, error_file: str | None = None, replace: bool = True) -> bool:
+    """Write `exc` to torchelastic's error file (this process's, or `error_file`: a peer's) so the launcher
+    reports it as that rank's root cause; with `replace` False, only where that rank recorded nothing. Whether
+    it was written.
 
     Atomically (tmp, then rename): the agent SIGTERMs the other workers as soon as one fails, and reads each
     error file as it exits; a file cut short by that signal would crash the agent's JSON parse (and with it
@@ -79,19 +93,30 @@ def record_for_launcher(exc: BaseException, error_file: str | None = None) -> No
     """
     env_target = os.environ.get("TORCHELASTIC_ERROR_FILE")
     target = error_file or env_target
-    if target:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    if not target:
+        return False
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-        tmp = f"{target}.{os.getpid()}.tmp"
-        os.environ["TORCHELASTIC_ERROR_FILE"] = tmp  # ErrorHandler writes where this names, in torch's format
-        try:
-            ErrorHandler().record_exception(exc)
+    tmp = f"{target}.{os.getpid()}.tmp"
+    os.environ["TORCHELASTIC_ERROR_FILE"] = tmp  # ErrorHandler writes where this names, in torch's format
+    try:
+        ErrorHandler().record_exception(exc)
+        if replace:
             os.replace(tmp, target)
-        finally:
-            if env_target is None:
-                del os.environ["TORCHELASTIC_ERROR_FILE"]
-            else:
-                os.environ["TORCHELASTIC_ERROR_FILE"] = env_target
+            return True
+        try:
+            os.link(tmp, target)  # fails where the rank's own record is
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        if not replace:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if env_target is None:
+            del os.environ["TORCHELASTIC_ERROR_FILE"]
+        else:
+            os.environ["TORCHELASTIC_ERROR_FILE"] = env_target
 
 
 @dataclass
@@ -300,6 +325,33 @@ class Watchdog:
                 line += (f"; rank {worst['rank']} on host {worst['host']} is furthest behind: step "
                          f"{worst['step']}, phase {worst['phase']}, idle {worst['idle_s']:.0f} s")
         return line, None
+
+    # --- a lost peer ---------------------------------------------------------------------------
+    def record_vanished_peers(self, error: BaseException, wait_s: float = 2.0) -> list[int]:
+        """After `error` said a peer went away: the peers on this host whose processes ended (a SIGKILL, the OOM
+        killer) without recording an error get one, so that the launcher names the rank that died, not this
+        rank that lost it (the agent reports whichever failed process it finds first). A dying peer gets
+        `wait_s` to finish; the ranks recorded are returned."""
+        text = str(error)
+        local = [(rank, facts) for rank, facts in enumerate(self._facts)
+                 if rank != self.ctx.rank and facts and facts["host"] == self.ctx.host and facts["error_file"]]
+        if not local or not any(marker in text for marker in PEER_LOSS_MARKERS):
+            return []
+        deadline = time.monotonic() + wait_s
+        while True:
+            ended = [(rank, facts) for rank, facts in local if _ended(facts)]
+            if ended or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        recorded = []
+        for rank, facts in ended:
+            vanished = PeerVanished(f"its process (pid {facts['pid']}) ended without an error of its own (killed "
+                                    f"by a signal: SIGKILL, the OOM killer?), as rank {self.ctx.rank} on this "
+                                    "host found when it lost it")  # (no peer-loss words: the launcher ranks those last)
+            with contextlib.suppress(OSError):
+                if record_for_launcher(vanished, facts["error_file"], replace=False):
+                    recorded.append(rank)
+        return recorded
 
     # --- firing --------------------------------------------------------------------------------
     def _end_if_stopped(self, rank: int, error: HangError) -> None:
