@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="")
         return 0 if argv else EXIT_USAGE
     command, rest = argv[0], argv[1:]
-    handlers = {"train": cmd_train, "doctor": _lazy("ddptrain.tools.doctor", entry=main),
+    handlers = {"train": cmd_train, "doctor": _lazy("ddptrain.tools.doctor", entry=run_command),
                 "report": _lazy("ddptrain.tools.report"),
                 "export": _lazy("ddptrain.tools.export"), "plan": _lazy("ddptrain.tools.plan"),
                 "prepare-text": _lazy("ddptrain.data.text")}

@@ -81,8 +81,9 @@ class RankReport:
     all_reduce_ok: bool  # every all-reduce of the sweep returned the expected sum on this rank
 
 
-def main(argv: list[str], entry: Callable[[list[str]], int] | None = None) -> int:
-    """`ddptrain doctor ARGV`; `entry` runs each worker of `--nproc` (the command line's `cli.main`)."""
+def main(argv: list[str], entry: Callable[[str, list[str]], None] | None = None) -> int:
+    """`ddptrain doctor ARGV`; `entry(command, argv)` runs each worker of `--nproc` (the command line's
+    `cli.run_command`)."""
     args = build_parser().parse_args(argv)
     if args.nproc < 0 or args.iters < 1 or args.max_mb <= 0 or args.timeout_s <= 0:
         raise UsageError("--nproc must be >= 0, --iters >= 1, --max_mb and --timeout_s > 0")
@@ -98,16 +99,19 @@ def main(argv: list[str], entry: Callable[[list[str]], int] | None = None) -> in
     return check(args)
 
 
-def _launch(argv: list[str], args: argparse.Namespace, entry: Callable[[list[str]], int]) -> int:
+def _launch(argv: list[str], args: argparse.Namespace, entry: Callable[[str, list[str]], None]) -> int:
     """`--nproc N`: the workers report to a verdict file, so that a problem is exit 1, not a crash report."""
     from ddptrain.parallel.launch import launch_local, strip_flag
 
     verdict = Path(tempfile.gettempdir()) / f"ddptrain-doctor-{uuid.uuid4().hex}.json"
     os.environ[VERDICT_VAR] = str(verdict)
     try:
-        code = launch_local(entry, "doctor", strip_flag(argv, "--nproc"), args.nproc, 0, Path(args.run_dir))
-        if code != EXIT_OK:
-            return code
+        outcome = launch_local(entry, ("doctor", strip_flag(argv, "--nproc")), args.nproc, 0, Path(args.run_dir),
+                               what="doctor")
+        for line in outcome.lines:
+            sys.stderr.write(f"ddptrain: {line}\n")
+        if outcome.code != EXIT_OK:
+            return outcome.code
         problems = json.loads(verdict.read_text())["problems"]
         return EXIT_FAILURE if problems else EXIT_OK
     finally:
