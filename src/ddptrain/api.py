@@ -26,23 +26,24 @@ from typing import Any
 
 from ddptrain.config import TrainConfig
 from ddptrain.errors import (
-    EXIT_FAILURE,
     EXIT_PREEMPTED,
     EXIT_USAGE,
     Preempted,
     TrainingError,
     UsageError,
+    WorkerFailed,
     first_line,
+)
+from ddptrain.parallel.procenv import (
+    LOCAL_LAUNCH_ENV,
+    exit_code_for,
+    name_worker,
+    read_launch_env,
+    record_for_launcher,
 )
 from ddptrain.parts import Parts
 
 __all__ = ["fit", "train_worker", "Parts", "WorkerFailed"]
-
-
-
-
-class WorkerFailed(TrainingError):
-    """This rank's training failed; the cause is already logged, on stderr and in the launcher's error file."""
 
 
 def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]:
@@ -59,8 +60,6 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
     from ddptrain.observe.log import rank_log_path, setup_logging
     from ddptrain.parallel import netinfo
     from ddptrain.parallel.distributed import distributed
-    from ddptrain.parallel.procenv import LOCAL_LAUNCH_ENV, name_worker, read_launch_env
-    from ddptrain.parallel.watchdog import record_for_launcher
 
     if cfg.num_workers > 0:
         from ddptrain.data.pipeline import worker_context
@@ -231,18 +230,10 @@ def launch_workers(cfg: TrainConfig, target: Any, args: tuple) -> Any:
 def _fit_worker(cfg: TrainConfig, parts: Parts) -> dict[str, Any] | None:
     """A worker of `fit(nproc=N)`: its part of the job; the summary back to the launcher, an exit code (and the
     error file the launcher reads) as `ddptrain train`'s workers give them."""
-    from ddptrain.parallel.watchdog import record_for_launcher
-
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         cfg = dataclasses.replace(cfg, auto_resume=True)  # a restart resumes this run's own checkpoints
     try:
         return train_worker(cfg, parts)
-    except UsageError as exc:
-        record_for_launcher(exc)
-        code = EXIT_USAGE
-    except Preempted:
-        code = EXIT_PREEMPTED
-    except WorkerFailed:  # reported by train_worker
-        code = EXIT_FAILURE
-    sys.exit(code)
+    except (UsageError, Preempted, WorkerFailed) as exc:
+        sys.exit(exit_code_for(exc))
 

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import gc
-import os
 import sys
-from pathlib import Path
 
-from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, EXIT_USAGE, Preempted, UsageError
-from ddptrain.parallel.procenv import LOCAL_LAUNCH_ENV
+from ddptrain.errors import EXIT_USAGE, Preempted, UsageError, WorkerFailed, say_error
+from ddptrain.parallel.procenv import exit_code_for
 
 USAGE = """usage: ddptrain <command> [options]
 
@@ -37,16 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         code = handlers[command](rest)
-    except UsageError as exc:
-        if os.environ.get(LOCAL_LAUNCH_ENV) and os.environ.get("TORCHELASTIC_ERROR_FILE"):  # a worker of launch.py
-            from ddptrain.parallel.watchdog import record_for_launcher
-
-            record_for_launcher(exc)  # a worker of `--nproc`: the launcher prints each distinct error once
-        else:
-            say_error(str(exc))
-        code = EXIT_USAGE
-    except Preempted:
-        code = EXIT_PREEMPTED
+    except (UsageError, Preempted, WorkerFailed) as exc:
+        code = exit_code_for(exc)
     except KeyboardInterrupt:
         code = 130
     return code
@@ -64,13 +54,6 @@ def entry() -> int:
     gc.collect(1)
     gc.freeze()
     return code
-
-
-def say_error(message: str) -> None:
-    """One `ddptrain: error:` line in one write: under torchrun every rank shares the terminal, and `print`'s two
-    writes (the text, then the newline) of two ranks can interleave into one garbled line."""
-    sys.stderr.write(f"ddptrain: error: {message}\n")
-    sys.stderr.flush()
 
 
 def _lazy(module: str, **kwargs):
@@ -122,11 +105,8 @@ def run_command(command: str, argv: list[str]) -> None:
 
 
 def run_worker(cfg) -> int:
-    """One training process (`ddptrain.api.train_worker`); a failure, already reported, is exit code 1."""
-    from ddptrain.api import WorkerFailed, train_worker
+    """One training process (`ddptrain.api.train_worker`)."""
+    from ddptrain.api import train_worker
 
-    try:
-        train_worker(cfg)
-    except WorkerFailed:
-        return EXIT_FAILURE
+    train_worker(cfg)
     return 0

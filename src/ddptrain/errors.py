@@ -3,6 +3,8 @@
 0 success · 1 training failure · 2 usage/config error · 75 preempted (checkpoint committed, requeue me).
 """
 
+import sys
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -27,6 +29,10 @@ class TrainingError(RuntimeError):
     """A failure during training that every rank agrees on (same message on each rank)."""
 
 
+class WorkerFailed(TrainingError):
+    """This rank's training failed; the cause is already logged, on stderr and in the launcher's error file."""
+
+
 class Preempted(Exception):
     """Raised at a step boundary after the preemption checkpoint has committed on all ranks."""
 
@@ -34,3 +40,10 @@ class Preempted(Exception):
         super().__init__(f"preempted by {signal_name}: checkpoint at step {step} committed")
         self.step = step
         self.signal_name = signal_name
+
+
+def say_error(message: str) -> None:
+    """One `ddptrain: error:` line in one write: under torchrun every rank shares the terminal, and `print`'s two
+    writes (the text, then the newline) of two ranks can interleave into one garbled line."""
+    sys.stderr.write(f"ddptrain: error: {message}\n")
+    sys.stderr.flush()

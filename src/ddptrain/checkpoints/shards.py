@@ -29,7 +29,7 @@ import warnings
 from concurrent.futures import Future
 from itertools import combinations
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Collection, Iterator
+from typing import Any, Callable, Collection
 
 import torch
 import torch.distributed as dist

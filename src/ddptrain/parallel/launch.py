@@ -3,7 +3,7 @@ and `ddptrain.fit(nproc=N)` alike.
 
 Each worker runs the caller's target: the CLI's is `ddptrain train ...` (`cli.main`) with torchrun's
 environment, so the local path and a cluster's `torchrun -m ddptrain train` path execute the same code; `fit`'s
-is `api.train_worker` with the user's model and data (pickled, as `mp.spawn` would). On failure the agent
+is `api._fit_worker` with the user's model and data (pickled, as `mp.spawn` would). On failure the agent
 restarts all workers (`--max_restarts`), and they resume from the newest committed checkpoint. How the launch
 ended comes back as an `Outcome` (exit code, the lines that say why, rank 0's return value): the CLI prints it,
 `fit` raises it.
@@ -154,13 +154,13 @@ class Outcome:
 def launch_local(target: Callable[..., Any], args: tuple, nproc: int, max_restarts: int, run_dir: Path | None,
                  what: str = "training") -> Outcome:
     """Run `target(*args)` on `nproc` local workers (a module-level function and picklable arguments: they reach
-    the workers by pickle); restart them all up to `max_restarts` times when one fails. The agent installs its
+    the workers by pickle), forked from the server that `start_worker_server` started first; restart them all
+    up to `max_restarts` times when one fails. The agent installs its
     signal handlers in this process and sets TORCHELASTIC_* variables: `caller_kept` undoes that."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    start_worker_server(nproc)  # (already running when the caller started it early)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=f"ddptrain-{uuid.uuid4().hex[:8]}",

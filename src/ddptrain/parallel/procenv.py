@@ -3,12 +3,21 @@ environment and rendezvous port, for whatever starts ddptrain processes (tests, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ddptrain.errors import UsageError
+from ddptrain.errors import (
+    EXIT_FAILURE,
+    EXIT_PREEMPTED,
+    EXIT_USAGE,
+    Preempted,
+    UsageError,
+    WorkerFailed,
+    say_error,
+)
 
 # What a launcher (torchrun's elastic agent, SLURM) or ddptrain sets for its workers. A process that inherits
 # them believes it is a worker of that job, so a new job starts without them.
@@ -27,8 +36,16 @@ FINISHED_MARKER = "FINISHED"  # RUN_DIR/FINISHED: the run is complete, its final
 # Errors of a rank that lost a peer: the consequence of another rank's failure, not its cause.
 PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                      "NCCL communicator was aborted", "remote process exited")
-# How a rank's error file begins when a peer on its host wrote it: the rank's process ended without an error.
-VANISHED = "PeerVanished: "
+
+
+class PeerVanished(RuntimeError):
+    """Recorded for a rank by a peer on its host (parallel.watchdog): the rank's process ended without an error
+    of its own."""
+
+
+# How such a record's message begins (torch's error file holds "<class name>: <message>"): the launcher ranks
+# it after the rank's own errors.
+VANISHED = f"{PeerVanished.__name__}: "
 
 
 def fresh_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -96,3 +113,53 @@ def name_worker(rank: int, world_size: int, run_dir: object) -> None:
     import setproctitle
 
     setproctitle.setproctitle(f"ddptrain rank {rank}/{world_size}: {run_dir}")
+
+
+def record_for_launcher(exc: BaseException, error_file: str | None = None, replace: bool = True) -> bool:
+    """Write `exc` to torchelastic's error file (this process's, or `error_file`: a peer's) so the launcher
+    reports it as that rank's root cause; with `replace` False, only where that rank recorded nothing. Whether
+    it was written.
+
+    Atomically (tmp, then rename): the agent SIGTERMs the other workers as soon as one fails, and reads each
+    error file as it exits; a file cut short by that signal would crash the agent's JSON parse (and with it
+    the whole launch, restarts included). A worker stopped mid-write leaves no file, which the agent expects.
+    """
+    env_target = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    target = error_file or env_target
+    if not target:
+        return False
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    tmp = f"{target}.{os.getpid()}.tmp"
+    os.environ["TORCHELASTIC_ERROR_FILE"] = tmp  # ErrorHandler writes where this names, in torch's format
+    try:
+        ErrorHandler().record_exception(exc)
+        if replace:
+            os.replace(tmp, target)
+            return True
+        try:
+            os.link(tmp, target)  # fails where the rank's own record is
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        if not replace:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if env_target is None:
+            del os.environ["TORCHELASTIC_ERROR_FILE"]
+        else:
+            os.environ["TORCHELASTIC_ERROR_FILE"] = env_target
+
+
+def exit_code_for(exc: UsageError | Preempted | WorkerFailed) -> int:
+    """The exit code a ddptrain process ends with on one of its own exceptions, the usage error reported on the
+    way: a worker of `--nproc`'s launcher (or of `fit(nproc=N)`) records it where the launcher reads it, which
+    prints each distinct error once; any other process says it. A WorkerFailed is already reported."""
+    if isinstance(exc, UsageError):
+        if os.environ.get(LOCAL_LAUNCH_ENV) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            record_for_launcher(exc)
+        else:
+            say_error(str(exc))
+        return EXIT_USAGE
+    return EXIT_PREEMPTED if isinstance(exc, Preempted) else EXIT_FAILURE

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ddptrain.errors import EXIT_FAILURE
 from ddptrain.parallel.distributed import DistributedContext
-from ddptrain.parallel.procenv import PEER_LOSS_MARKERS
+from ddptrain.parallel.procenv import PEER_LOSS_MARKERS, PeerVanished, record_for_launcher
 
 log = logging.getLogger("ddptrain")
 # The order phases follow within one step: of two ranks idle in the same step, the one in the earlier phase
@@ -75,48 +75,6 @@ def _ended(facts: dict) -> bool:
 
 class HangError(RuntimeError):
     pass
-
-
-class PeerVanished(RuntimeError):
-    """Recorded for a rank by a peer on its host: the rank's process ended without an error of its own."""
-    # Its record begins with procenv.VANISHED, its class's name: the launcher ranks it after the rank's own errors.
-
-
-def record_for_launcher(exc: BaseException, error_file: str | None = None, replace: bool = True) -> bool:
-    """Write `exc` to torchelastic's error file (this process's, or `error_file`: a peer's) so the launcher
-    reports it as that rank's root cause; with `replace` False, only where that rank recorded nothing. Whether
-    it was written.
-
-    Atomically (tmp, then rename): the agent SIGTERMs the other workers as soon as one fails, and reads each
-    error file as it exits; a file cut short by that signal would crash the agent's JSON parse (and with it
-    the whole launch, restarts included). A worker stopped mid-write leaves no file, which the agent expects.
-    """
-    env_target = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    target = error_file or env_target
-    if not target:
-        return False
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-    tmp = f"{target}.{os.getpid()}.tmp"
-    os.environ["TORCHELASTIC_ERROR_FILE"] = tmp  # ErrorHandler writes where this names, in torch's format
-    try:
-        ErrorHandler().record_exception(exc)
-        if replace:
-            os.replace(tmp, target)
-            return True
-        try:
-            os.link(tmp, target)  # fails where the rank's own record is
-        except FileExistsError:
-            return False
-        return True
-    finally:
-        if not replace:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        if env_target is None:
-            del os.environ["TORCHELASTIC_ERROR_FILE"]
-        else:
-            os.environ["TORCHELASTIC_ERROR_FILE"] = env_target
 
 
 @dataclass

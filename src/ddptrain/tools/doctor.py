@@ -101,7 +101,9 @@ def main(argv: list[str], entry: Callable[[str, list[str]], None] | None = None)
 
 def _launch(argv: list[str], args: argparse.Namespace, entry: Callable[[str, list[str]], None]) -> int:
     """`--nproc N`: the workers report to a verdict file, so that a problem is exit 1, not a crash report."""
-    from ddptrain.parallel.launch import launch_local, strip_flag
+    from ddptrain.parallel.launch import launch_local, start_worker_server, strip_flag
+
+    start_worker_server(args.nproc)
 
     verdict = Path(tempfile.gettempdir()) / f"ddptrain-doctor-{uuid.uuid4().hex}.json"
     os.environ[VERDICT_VAR] = str(verdict)
