@@ -95,6 +95,26 @@ def test_the_flops_of_a_transformers_model_built_on_meta_are_counted(llama_fsdp)
     assert counted and float(counted[0].split(", ")[-1].split()[0]) > 0, counted
 
 
+def test_a_built_in_model_on_meta_does_not_import_transformers_and_an_unrecorded_transformers_build_is_whole():
+    """Importing transformers costs each rank of an fsdp run seconds of CPU: a built-in model is built on the meta
+    device without it. A transformers model built without its post_init recorded could not be replayed as the
+    whole build: it is built whole instead (meta.build gives None)."""
+    code = ("import sys, torch\n"
+            "from ddptrain.config import TrainConfig\n"
+            "from ddptrain.models import instantiate, meta\n"
+            "module = instantiate(TrainConfig(model='gpt', strategy='fsdp', vocab_size=64, seq_len=8, width=16,\n"
+            "                                 num_layers=1, num_heads=2), None, torch.device('cpu'))\n"
+            "print(all(p.is_meta for p in module.parameters()), 'transformers' in sys.modules)\n"
+            "import transformers\n"
+            "config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,\n"
+            "                                  num_attention_heads=2, vocab_size=64)\n"
+            "print(meta.build(lambda: transformers.LlamaForCausalLM(config)) is None,\n"
+            "      meta.build(lambda: transformers.LlamaForCausalLM(config), transformers=True) is None)\n")
+    proc = run_python(["-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "False", "True", "False"], proc.stdout
+
+
 def test_a_built_in_gpt_on_fsdp_trains_what_ddp_trains(tmp_path):
     gpt = ["--model", "gpt", "--width", "32", "--num_layers", "2", "--num_heads", "2", *LM, *STEPS_50]
     train(tmp_path / "ddp", *gpt, nproc=2, timeout=400)

@@ -197,7 +197,7 @@ def instantiate(cfg: TrainConfig, model: nn.Module | Callable[[TrainConfig], nn.
     if model is None and meta_buildable(cfg):
         # Sharded: no tensor of it is allocated until each rank fills its own shards after fully_shard
         # (parallel/materialize.py replays this seeded init there, per module).
-        built = meta.build(lambda: build_model(cfg, on_meta=True), adapt)
+        built = meta.build(lambda: build_model(cfg, on_meta=True), adapt, transformers=cfg.model.startswith("hf:"))
         if built is not None:
             return built
         torch.manual_seed(cfg.seed)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -102,14 +103,16 @@ class _Recorder(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _post_init_marked(tape: Tape) -> Iterator[None]:
+def _post_init_marked(tape: Tape, transformers: bool) -> Iterator[None]:
     """Each PreTrainedModel's post_init (on the meta device, a no-op for weights) leaves a marker on the tape:
-    where its `_init_weights` pass ran in the whole build. transformers has no hook for this."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
+    where its `_init_weights` pass ran in the whole build. transformers has no hook for this. Only for a
+    construction that builds a transformers model: importing transformers costs each rank seconds of CPU
+    (docs/performance.md), and a built-in model has no post_init."""
+    if not transformers:
         yield
         return
+    from transformers import PreTrainedModel
+
     original = PreTrainedModel.post_init
 
     def marked(model: Any) -> None:
@@ -127,13 +130,17 @@ def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*module.named_parameters(), *module.named_buffers()]
 
 
-def build(construct: Callable[[], nn.Module],
-          adapt: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module | None:
+def build(construct: Callable[[], nn.Module], adapt: Callable[[nn.Module], nn.Module] | None = None,
+          transformers: bool = False) -> nn.Module | None:
     """`adapt(construct())` (or `construct()`) under the meta device, its init recorded for `replay`; None if it
-    cannot be replayed."""
+    cannot be replayed. `transformers`: the construction builds a transformers model, whose post_init calls
+    the record must hold."""
     tape = Tape()
-    with torch.device("meta"), _post_init_marked(tape), _Recorder(tape):
+    with torch.device("meta"), _post_init_marked(tape, transformers), _Recorder(tape):
         module = construct()
+        if not transformers and _holds_transformers_model(module):
+            tape.replayable = False  # its post_init ran unrecorded: a replay would miss that init
+            tape.reason = "a transformers model built without transformers=True"
         tape.built_steps = len(tape.steps)
         built_as = {id(tensor): name for name, tensor in _tensors(module)}
         if adapt is not None:
@@ -147,6 +154,11 @@ def build(construct: Callable[[], nn.Module],
             tape.stored_names[name] = built_as[id(tensor)]
     _TAPES[module] = tape
     return module
+
+
+def _holds_transformers_model(module: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")  # not imported: no transformers model can be in it
+    return transformers is not None and any(isinstance(sub, transformers.PreTrainedModel) for sub in module.modules())
 
 
 def stored_names(module: nn.Module) -> dict[str, str]:
