@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 __version__ = "0.1.0"
@@ -19,8 +20,6 @@ _LAZY = {"LossSum": "ddptrain.loop.tasks"}
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value  # later lookups skip this function
         return value

@@ -24,6 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ddptrain.checkpoints import runlock
 from ddptrain.config import TrainConfig
 from ddptrain.errors import (
     EXIT_PREEMPTED,
@@ -34,6 +35,9 @@ from ddptrain.errors import (
     WorkerFailed,
     first_line,
 )
+from ddptrain.observe.log import rank_log_path, setup_logging
+from ddptrain.parallel import netinfo
+from ddptrain.parallel.launch import caller_kept, launch_local, start_worker_server
 from ddptrain.parallel.procenv import (
     LOCAL_LAUNCH_ENV,
     exit_code_for,
@@ -42,6 +46,7 @@ from ddptrain.parallel.procenv import (
     record_for_launcher,
 )
 from ddptrain.parts import Parts
+from ddptrain.preflight import check
 
 __all__ = ["fit", "train_worker", "Parts", "WorkerFailed"]
 
@@ -53,12 +58,9 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
     Raises UsageError and Preempted as they are, and WorkerFailed for anything else after reporting it with
     this rank, its host and the step; the process groups are then aborted rather than destroyed.
     """
-    from ddptrain.checkpoints import runlock
     from ddptrain.checkpoints.format import settle_settings
     from ddptrain.loop.sanity import plugin_names, usage_error_of
     from ddptrain.loop.trainer import Trainer
-    from ddptrain.observe.log import rank_log_path, setup_logging
-    from ddptrain.parallel import netinfo
     from ddptrain.parallel.distributed import distributed
 
     if cfg.num_workers > 0:
@@ -180,13 +182,9 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
             cfg.auto_resume = False
     cfg.validate()
-    from ddptrain.preflight import check
-
     check(cfg)
     parts = Parts(model, None if train_data is None else (train_data, eval_data), task, collate_fn, optimizer,
                   scheduler, callbacks)
-    from ddptrain.parallel.procenv import read_launch_env
-
     env = read_launch_env()
     weights = Path(cfg.run_dir) / "model.safetensors"
     if env.launched or not cfg.nproc:
@@ -215,12 +213,10 @@ def launch_workers(cfg: TrainConfig, target: Any, args: tuple) -> Any:
     `ddptrain train --nproc` and `fit(nproc=...)` start them. This process outlives the workers' restarts, so it
     holds the job's run lock (the workers know it as theirs by the token), refuses changed settings and writes
     config.toml once; returns the launch's `Outcome`."""
-    from ddptrain.checkpoints import runlock
-    from ddptrain.checkpoints.format import settle_settings
-    from ddptrain.parallel.launch import caller_kept, launch_local, start_worker_server
-
     with caller_kept():  # `fit` runs in the user's process: its environment and signal handlers stay theirs
         start_worker_server(cfg.nproc)  # before this process holds anything: workers start from a clean state
+        from ddptrain.checkpoints.format import settle_settings  # torch, imported beside the server's import
+
         with runlock.acquire(runlock.job_dirs(cfg)) as lock:
             settle_settings(cfg)  # with the launch settings
             os.environ[runlock.TOKEN_ENV] = lock.token

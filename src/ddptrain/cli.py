@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import gc
+import importlib
 import sys
 
+from ddptrain.api import launch_workers, train_worker
+from ddptrain.config import resolve_config
 from ddptrain.errors import EXIT_USAGE, Preempted, UsageError, WorkerFailed, say_error
-from ddptrain.parallel.procenv import exit_code_for
+from ddptrain.parallel.launch import start_worker_server, strip_flag
+from ddptrain.parallel.procenv import exit_code_for, read_launch_env
+from ddptrain.preflight import check
 
 USAGE = """usage: ddptrain <command> [options]
 
@@ -58,21 +63,14 @@ def entry() -> int:
 
 def _lazy(module: str, **kwargs):
     def run(argv: list[str]) -> int:
-        import importlib
-
         return importlib.import_module(module).main(argv, **kwargs)
 
     return run
 
 
 def cmd_train(argv: list[str]) -> int:
-    from ddptrain.config import resolve_config
-    from ddptrain.preflight import check
-
     cfg = resolve_config(argv)
     check(cfg)  # the dataset's files against the flags, still before any process starts
-    from ddptrain.parallel.procenv import read_launch_env
-
     env = read_launch_env()
     if env.launched:
         # nproc / max_restarts configure the local launcher. A config file's values do not apply to a worker,
@@ -82,11 +80,7 @@ def cmd_train(argv: list[str]) -> int:
                              "(RANK is set); drop --nproc and use the launcher's --nproc-per-node")
         return run_worker(cfg)
     if cfg.nproc:
-        from ddptrain.parallel.launch import start_worker_server, strip_flag
-
         start_worker_server(cfg.nproc)  # it imports torch and the trainer while this process imports torch
-        from ddptrain.api import launch_workers
-
         worker_argv = strip_flag(strip_flag(argv, "--nproc"), "--max_restarts")
         outcome = launch_workers(cfg, run_command, ("train", worker_argv))
         for line in outcome.lines:
@@ -106,7 +100,5 @@ def run_command(command: str, argv: list[str]) -> None:
 
 def run_worker(cfg) -> int:
     """One training process (`ddptrain.api.train_worker`)."""
-    from ddptrain.api import train_worker
-
     train_worker(cfg)
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import hashlib
 import importlib
 import math
 import os
@@ -20,6 +21,7 @@ from typing import Any, Callable
 
 from ddptrain.cliargs import ArgParser
 from ddptrain.errors import UsageError
+from ddptrain.faults import FaultSpec
 
 
 def opt(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
@@ -410,8 +412,6 @@ def setting_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
 
 def settings_digest(cfg: TrainConfig) -> str:
     """8 hex digits of the training settings: the same for every run that trains the same thing."""
-    import hashlib
-
     text = "\n".join(f"{name}={getattr(cfg, name)!r}" for name in TRAINING_SETTINGS)
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
@@ -430,8 +430,6 @@ def _cuda_available() -> bool:
 
 def _check_inject_fault(spec: str) -> None:
     if spec:
-        from ddptrain.faults import FaultSpec
-
         FaultSpec.parse(spec, source="--inject_fault")
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddptrain.config import BUILTIN_DATASETS, TEXT_DATASETS, TrainConfig
+from ddptrain.config import BUILTIN_DATASETS, TEXT_DATASETS, TrainConfig, parse_trackers
 from ddptrain.errors import UsageError
+from ddptrain.observe.metrics import require_tensorboard
+from ddptrain.observe.trackers import require_tracker
 
 
 def check(cfg: TrainConfig) -> None:
@@ -21,14 +23,9 @@ def check(cfg: TrainConfig) -> None:
 
         if not continues_line(cfg.checkpoint_path, cfg.resume_from):
             raise UsageError(f"--resume_from {cfg.resume_from}: no such directory; pass a checkpoints/step-N dir")
-    from ddptrain.config import parse_trackers
-    from ddptrain.observe.trackers import require_tracker
-
     for name in parse_trackers(cfg.tracker):
         require_tracker(name, cfg)
     if cfg.tensorboard:
-        from ddptrain.observe.metrics import require_tensorboard
-
         require_tensorboard()
     if cfg.model.startswith("hf:"):
         from ddptrain.models import hf

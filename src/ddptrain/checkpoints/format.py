@@ -35,6 +35,7 @@ from typing import Any, Iterator, Mapping
 
 import safetensors.torch
 import torch
+from safetensors import safe_open
 
 import ddptrain
 from ddptrain.config import setting_changes, to_toml
@@ -86,8 +87,6 @@ class MappedWeights(Mapping):
     checkpoint, so that no rank reads or holds the whole model."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
         try:
             self._file = safe_open(str(path), framework="pt")
         except Exception as exc:

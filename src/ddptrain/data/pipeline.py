@@ -22,18 +22,22 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorDataset, get_worker_info
 
 from ddptrain.config import TEXT_DATASETS, TrainConfig, load_plugin
 from ddptrain.data.batch import _rebuild
+from ddptrain.data import images, text
 from ddptrain.data.batch import collate as collate_items
 from ddptrain.errors import UsageError
+from ddptrain.models import hf
 
 EVAL_EPOCH = -1  # the epoch key of eval samples: no augmentation stream is tied to it
 
@@ -207,8 +211,6 @@ class ShardedEvalSampler:
 def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
     """(train, eval or None) for `--dataset`: a built-in name, a 'pkg.mod:fn' plug-in or 'hf:PATH' records."""
     if cfg.dataset.startswith("hf:"):
-        from ddptrain.models import hf
-
         return hf.build_datasets(cfg)
     if ":" in cfg.dataset:
         result = load_plugin(cfg.dataset, "--dataset")(cfg)
@@ -223,11 +225,7 @@ def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
         held_out = SyntheticImages(cfg.eval_size, offset=cfg.dataset_size, **shape) if cfg.eval_size else None
         return train, held_out
     if cfg.dataset in TEXT_DATASETS:
-        from ddptrain.data import text
-
         return text.build(cfg)
-    from ddptrain.data import images  # file formats: imported only when asked for
-
     return images.build(cfg)
 
 
@@ -316,8 +314,6 @@ def start_pass(loader: Iterable) -> Iterator:
 
 @contextlib.contextmanager
 def _sharing_strategy(strategy: str) -> Iterator[None]:
-    import torch.multiprocessing as mp
-
     before = mp.get_sharing_strategy()
     mp.set_sharing_strategy(strategy)
     try:
@@ -389,8 +385,6 @@ def worker_context() -> multiprocessing.context.BaseContext | None:
     """
     if fork_is_safe():
         return None
-    from multiprocessing import forkserver
-
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(FORKSERVER_PRELOAD + main_module_preload())  # no effect on one already running
     forkserver.ensure_running()

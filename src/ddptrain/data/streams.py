@@ -29,8 +29,17 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data._utils import worker as worker_state
 
 from ddptrain.config import TrainConfig
+from ddptrain.data.pipeline import (
+    collate_for,
+    epoch_batches,
+    mix_seed,
+    seed_global_rngs,
+    worker_context,
+    worker_init,
+)
 from ddptrain.errors import UsageError
 
 STREAM_START = -1  # the element index whose seed a stream's own start-of-epoch draws take
@@ -49,8 +58,6 @@ class StreamShard(IterableDataset):
         self.done: dict[int, int] = {}  # reader -> the largest k already trained on
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
-        from ddptrain.data.pipeline import mix_seed
-
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
         readers, reader = self.world_size * workers, self.rank * workers + worker
@@ -87,9 +94,6 @@ class _Reading:
         self.in_trainer = in_trainer
 
     def __call__(self, seed: int, part: Callable[[], Any]) -> Any:
-        from torch.utils.data._utils import worker as worker_state
-
-        from ddptrain.data.pipeline import seed_global_rngs
 
         saved = (torch.get_rng_state(), np.random.get_state(), random.getstate()) if self.in_trainer else None
         info, worker_state._worker_info = worker_state._worker_info, None
@@ -149,8 +153,6 @@ class StreamPosition:
 
 def stream_loader(shard: StreamShard, cfg: TrainConfig, device: torch.device, drop_last: bool,
                   seed: int, collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
-    from ddptrain.data.pipeline import collate_for, worker_context, worker_init
-
     workers = cfg.num_workers
     return DataLoader(shard, batch_size=cfg.batch_size, drop_last=drop_last,
                       collate_fn=collate_for(shard.dataset, cfg, collate_fn), num_workers=workers, pin_memory=device.type == "cuda",
@@ -172,8 +174,6 @@ def stream_batches(loader: DataLoader, shard: StreamShard, position: StreamPosit
     the turn: the same order in every run, whatever the timing. Each epoch starts the workers anew, with the
     shard's epoch and position of that moment.
     """
-    from ddptrain.data.pipeline import epoch_batches
-
     def cycle() -> Iterator:
         while True:
             shard.epoch, shard.done = position.epoch, dict(position.done)

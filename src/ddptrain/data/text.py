@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import json
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from torch.utils.data import Dataset
 from ddptrain.cliargs import ArgParser
 from ddptrain.config import TrainConfig
 from ddptrain.errors import UsageError
+from ddptrain.models import hf
 
 FORMAT = "ddptrain-tokens/1"
 DTYPES = ("uint16", "uint32")
@@ -56,8 +58,6 @@ class TokenWindows(Dataset):
 
 def pydoc_tokens() -> np.ndarray:
     """CPython's pydoc topics as bytes, topics in sorted order: the same corpus on every machine."""
-    from pydoc_data.topics import topics
-
     text = "\n\n".join(topics[key] for key in sorted(topics))
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
@@ -91,8 +91,6 @@ def check(cfg: TrainConfig) -> None:
     """Config against the token source: the vocabulary must hold every token id."""
     vocab = 256 if cfg.dataset == "pydoc" else read_meta(cfg.data_dir)["vocab_size"]
     if cfg.model.startswith("hf:"):  # the model's own vocabulary, not the gpt-only --vocab_size
-        from ddptrain.models import hf
-
         model_vocab, _ = hf.model_limits(cfg)
         if model_vocab is not None and model_vocab < vocab:
             raise UsageError(f"--dataset {cfg.dataset}'s vocabulary of {vocab} tokens is larger than --model "
@@ -165,8 +163,6 @@ def _tokens(files: list[str], tokenizer_dir: str) -> tuple[np.ndarray, int, str]
     """(every file's tokens, one after another; the vocabulary size; what made them)."""
     if not tokenizer_dir:
         return np.concatenate([np.frombuffer(Path(n).read_bytes(), dtype=np.uint8) for n in files]), 256, "bytes"
-    from ddptrain.models import hf
-
     tokenizer = hf.load_tokenizer(tokenizer_dir)
     end = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     ids = []

@@ -10,10 +10,15 @@ rank stops at the same step. Built on it: `EarlyStopping` (--early_stop_metric),
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from pathlib import Path
 from typing import Any
 
+from ddptrain.config import load_plugin
 from ddptrain.errors import UsageError
+
+log = logging.getLogger("ddptrain")
 
 SAME_AS_RANK_0 = "same as rank 0"  # a state_dict() of a replicated callback on ranks > 0: restore rank 0's
 HOOKS = ("on_train_start", "on_step_end", "on_log", "on_eval", "on_checkpoint", "on_train_end")
@@ -116,8 +121,6 @@ class Callbacks:
 
 def load_callbacks(refs: str) -> list[Any]:
     """`--callbacks 'pkg.mod:fn,...'`: each fn() returns a callback (a class is instantiated)."""
-    from ddptrain.config import load_plugin
-
     out = []
     for ref in (r.strip() for r in refs.split(",")):
         if ref:
@@ -250,11 +253,8 @@ class EMA(Callback):
         if self._pending is not None:
             saved, self._pending = self._pending, None
             if not self._take(saved):
-                import logging
-
-                logging.getLogger("ddptrain").warning(
-                    "--ema_decay: the checkpoint's average was sharded for another world size; the average "
-                    "starts again from the current weights")
+                log.warning("--ema_decay: the checkpoint's average was sharded for another world size; the "
+                            "average starts again from the current weights")
 
     def on_step_end(self, run: TrainingRun) -> None:
         import torch
@@ -265,8 +265,6 @@ class EMA(Callback):
 
     def swapped_in(self, module: Any) -> Any:
         """A context in which `module`'s parameters hold the average (its own values back after)."""
-        import contextlib
-
         import torch
 
         @contextlib.contextmanager

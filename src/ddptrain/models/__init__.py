@@ -17,7 +17,7 @@ from torch import nn
 
 from ddptrain.config import TrainConfig, load_plugin
 from ddptrain.errors import UsageError
-from ddptrain.models import lora, meta
+from ddptrain.models import hf, lora, meta
 
 
 def _norm(kind: str, channels: int) -> nn.Module:
@@ -159,8 +159,6 @@ def meta_buildable(cfg: TrainConfig) -> bool:
     if cfg.strategy not in ("fsdp", "hsdp") or cfg.sync_batchnorm or cfg.channels_last:
         return False
     if cfg.model.startswith("hf:"):
-        from ddptrain.models import hf
-
         return hf.local_source(cfg) is not None
     return cfg.model in BUILT_IN
 
@@ -169,8 +167,6 @@ def build_model(cfg: TrainConfig, on_meta: bool = False) -> nn.Module:
     """The model named by `--model`. Call with the same seed on every rank (DDP also broadcasts rank 0's).
     `on_meta` (under `torch.device("meta")`): a transformers model from its config alone, weights unread."""
     if cfg.model.startswith("hf:"):
-        from ddptrain.models import hf
-
         return hf.build_model(cfg, on_meta)
     if ":" in cfg.model:
         model = load_plugin(cfg.model, "--model")(cfg)

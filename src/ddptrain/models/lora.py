@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import Replicate
 
@@ -101,8 +102,6 @@ def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def save_adapter(module: nn.Module, state: dict[str, torch.Tensor], out_dir: Path) -> Path:
     """`state` (the LoRA module's whole state dict, or its adapters) in PEFT's layout in `out_dir`."""
-    from safetensors.torch import save_file
-
     out_dir.mkdir(parents=True, exist_ok=True)
     module.lora_config.save_pretrained(str(out_dir))
     tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_state(state).items()}

@@ -11,7 +11,11 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
+from torch.utils.data import IterableDataset
 from torch.utils.flop_counter import FlopCounterMode
+
+from ddptrain.data.batch import to_device
+from ddptrain.models import eval_mode
 
 log = logging.getLogger("ddptrain")
 
@@ -40,8 +44,6 @@ def train_flops(model: nn.Module, forward: Callable[[], Any]) -> float:
     The backward pass costs about twice the forward (grads w.r.t. inputs and weights), the usual
     convention of MFU accounting. Runs in eval mode under no_grad; state is unchanged.
     """
-    from ddptrain.models import eval_mode
-
     with eval_mode(model), torch.no_grad(), FlopCounterMode(display=False) as counter:
         forward()
     return 3.0 * counter.get_total_flops()
@@ -86,10 +88,6 @@ def task_flops_per_sample(module: nn.Module, task: Any, dataset: Any, device: to
     A stream (IterableDataset) is not counted: reading its first element would start it outside the reader
     that shards it, so such a run reports no MFU, and says why at debug level only (it is no fault of the run).
     """
-    from torch.utils.data import IterableDataset
-
-    from ddptrain.data.batch import to_device
-
     if isinstance(dataset, IterableDataset):
         log.info("model: %.3g parameters", sum(p.numel() for p in module.parameters()))
         log.debug("no FLOP count for a stream (IterableDataset): no MFU will be reported")

@@ -24,6 +24,7 @@ import json
 import logging
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
@@ -118,9 +119,6 @@ def _exit_with_launcher(pid: int) -> None:
     to collect their result (holding their memory, and on a GPU the device's). A thread waits on the
     launcher's pidfd and exits the process when it fires.
     """
-    import select
-    import threading
-
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:

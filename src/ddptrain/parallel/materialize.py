@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from ddptrain.models import meta
 
@@ -71,8 +73,6 @@ def to_empty(module: nn.Module, device: torch.device) -> None:
 def shard_rows(tensor: torch.Tensor) -> slice:
     """The rows (dim 0) of a full tensor this rank's part of `tensor` holds: FSDP2's Shard(0) is torch.chunk
     of dim 0 over the mesh's shard dimension (replicated across hsdp's other one); a plain tensor is whole."""
-    from torch.distributed.tensor import DTensor, Shard
-
     if not isinstance(tensor, DTensor):
         return slice(None)
     start, stop = 0, tensor.shape[0]
@@ -115,8 +115,6 @@ def put_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
 def weight_files(directory: Path) -> dict[str, Path] | None:
     """Tensor name -> the safetensors file holding it, for a save_pretrained directory (one file, or the
     files its index names); None where it has no safetensors weights."""
-    from safetensors import safe_open
-
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -133,8 +131,6 @@ def fill_from_pretrained(model: nn.Module, directory: Path, put: meta.Put, store
     """Each rank reads the rows of each tensor its shards hold; then transformers' init of what the files
     lack (as from_pretrained does: modules whose tensors were all read are skipped). `stored_as`: the tensors
     to fill (name -> its name in the files); the rest are left to the caller."""
-    from safetensors import safe_open
-
     files = weight_files(directory) or {}
     tensors = [*model.named_parameters(), *model.named_buffers()]
     filled = {id(tensor) for name, tensor in tensors if name in stored_as}

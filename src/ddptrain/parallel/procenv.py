@@ -9,6 +9,8 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import setproctitle
+
 from ddptrain.errors import (
     EXIT_FAILURE,
     EXIT_PREEMPTED,
@@ -110,8 +112,6 @@ def name_worker(rank: int, world_size: int, run_dir: object) -> None:
     """Call a launched worker `ddptrain rank R/N: RUN_DIR` in ps, top and nvidia-smi (its command line; the short
     name that `top` and `ps -o comm` show is the first 15 bytes, `ddptrain rank R`), so that an operator finds
     rank 3 on a node. A process that nothing launched (fit in a user's own program) keeps its name."""
-    import setproctitle
-
     setproctitle.setproctitle(f"ddptrain rank {rank}/{world_size}: {run_dir}")
 
 

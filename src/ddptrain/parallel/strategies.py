@@ -19,6 +19,14 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddptrain.config import TrainConfig, load_plugin
@@ -116,9 +124,6 @@ class ShardedParallel:
     communicating_phase = "backward+reduce-scatter"
 
     def __init__(self, module: nn.Module, cfg: TrainConfig, ctx: DistributedContext):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
         self.module, self.ctx, self.name = module, ctx, cfg.strategy
         if ctx.device.type == "cpu" and hostmem.return_freed_blocks():  # before the first unit is gathered
             log.debug("%s on CPU: freed blocks of >= %d bytes go back to the system (glibc mmap threshold)",
@@ -222,8 +227,6 @@ class ShardedParallel:
         as `unsharded_accumulated_grad` when the gradient is upcast to the reduce dtype (--use_amp: bf16
         compute, fp32 reduction) — the whole model's fp32 gradients on every rank until the reduce-scatter.
         """
-        from torch.distributed.fsdp import FSDPModule
-
         held = _memory(self.module, None)["grad_bytes"]
         for unit in self.module.modules():
             if isinstance(unit, FSDPModule):
@@ -260,8 +263,6 @@ def precision_policy(cfg: TrainConfig) -> Any:
     anyway. Either way the inputs of each unit are cast to bf16 and the outputs back to fp32, so the loss is
     taken in fp32. Gradients are reduced in --reduce_dtype and written to the shards in the weights' dtype.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     reduce = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
     if cfg.use_amp or cfg.param_dtype == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce, output_dtype=torch.float32)

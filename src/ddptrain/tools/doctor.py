@@ -30,8 +30,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import ddptrain
 from ddptrain.cliargs import ArgParser
 from ddptrain.errors import EXIT_FAILURE, EXIT_OK, UsageError
+from ddptrain.parallel.launch import launch_local, start_worker_server, strip_flag
+from ddptrain.parallel.procenv import read_launch_env
 from ddptrain.tools.tables import format_table
 
 VERDICT_VAR = "DDPTRAIN_DOCTOR_VERDICT"  # set by `--nproc`: rank 0 writes the problems there
@@ -87,8 +90,6 @@ def main(argv: list[str], entry: Callable[[str, list[str]], None] | None = None)
     args = build_parser().parse_args(argv)
     if args.nproc < 0 or args.iters < 1 or args.max_mb <= 0 or args.timeout_s <= 0:
         raise UsageError("--nproc must be >= 0, --iters >= 1, --max_mb and --timeout_s > 0")
-    from ddptrain.parallel.procenv import read_launch_env
-
     if args.nproc:
         if read_launch_env().launched:
             raise UsageError("--nproc starts local workers, but this process is already a worker of a launcher "
@@ -101,8 +102,6 @@ def main(argv: list[str], entry: Callable[[str, list[str]], None] | None = None)
 
 def _launch(argv: list[str], args: argparse.Namespace, entry: Callable[[str, list[str]], None]) -> int:
     """`--nproc N`: the workers report to a verdict file, so that a problem is exit 1, not a crash report."""
-    from ddptrain.parallel.launch import launch_local, start_worker_server, strip_flag
-
     start_worker_server(args.nproc)
 
     verdict = Path(tempfile.gettempdir()) / f"ddptrain-doctor-{uuid.uuid4().hex}.json"
@@ -125,7 +124,6 @@ def check(args: argparse.Namespace) -> int:
     """Every check, on every rank; rank 0 prints. Must be called on all ranks."""
     import torch
 
-    import ddptrain
     from ddptrain.parallel.distributed import distributed
 
     started = time.perf_counter()

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from ddptrain.checkpoints.format import (
     BEST_ABOUT,
@@ -34,7 +36,10 @@ from ddptrain.checkpoints.format import (
 )
 from ddptrain.checkpoints.read import read_checkpoint
 from ddptrain.cliargs import ArgParser
+from ddptrain.config import TrainConfig
 from ddptrain.errors import UsageError
+from ddptrain.loop.callbacks import EMA
+from ddptrain.models import build_model, hf, lora
 
 FORMAT = "ddptrain-export/1"
 INDEX = "model.safetensors.index.json"  # HF's sharded layout (RUN_DIR/hf/ of a --strategy fsdp run)
@@ -105,8 +110,6 @@ def main(argv: list[str]) -> int:
         about = read_json(checkpoint / BEST_ABOUT) or {}
         which = about.get("weights", "trained")
     if which == "ema":
-        from ddptrain.loop.callbacks import EMA
-
         try:
             weights = EMA.weights_of(loaded.trainer, weights)
         except ValueError as exc:
@@ -141,9 +144,6 @@ def merge_adapters(config: dict, adapters: dict[str, torch.Tensor], frozen: dict
     """The base model of a LoRA run (its --model, read again) with the checkpoint's adapters merged in, under the
     base model's own names. The base must be the one the adapters were trained on (the checkpoint's
     fingerprint of the frozen weights)."""
-    from ddptrain.config import TrainConfig
-    from ddptrain.models import build_model, lora
-
     cfg = TrainConfig(**{k: v for k, v in config.items() if k in TrainConfig.__dataclass_fields__})
     torch.manual_seed(cfg.seed)  # a base built from a config alone is the run's seeded init
     module = lora.apply(build_model(cfg), cfg)
@@ -156,9 +156,6 @@ def merge_adapters(config: dict, adapters: dict[str, torch.Tensor], frozen: dict
 
 def export_hf(config: dict, weights: dict[str, torch.Tensor], checkpoint: Path, out_dir: Path) -> None:
     """The save_pretrained layout of a checkpoint of a transformers model (`--model hf:...`)."""
-    from ddptrain.config import TrainConfig
-    from ddptrain.models import hf
-
     cfg = TrainConfig(**{k: v for k, v in config.items() if k in TrainConfig.__dataclass_fields__})
     run_hf_dir = checkpoint.parent.parent / hf.HF_DIR  # the run of a transformers model wrote its config there
     if not hf.is_hf(cfg.model) and not (run_hf_dir / "config.json").is_file():
@@ -172,10 +169,6 @@ def consolidate_pretrained(directory: Path, out: Path | None, hf_dir: Path | Non
     """A save_pretrained directory in HF's sharded layout (files + index, as an fsdp run writes RUN_DIR/hf/)
     as one file: OUT.safetensors, and/or with --hf the same layout with a single model.safetensors (its config,
     generation config and tokenizer files copied). Whole in this one process: run it where the memory is."""
-    import shutil
-
-    from safetensors import safe_open
-
     try:
         weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
         weights: dict[str, torch.Tensor] = {}

@@ -51,7 +51,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddptrain.cliargs import ArgParser
+from ddptrain.config import TrainConfig, load_toml, resolve_config
 from ddptrain.errors import EXIT_OK, UsageError
+from ddptrain.observe.metrics import read_metrics
 from ddptrain.tools.tables import format_table
 
 if TYPE_CHECKING:  # the memory model imports torch and the models; the speed table needs neither
@@ -221,9 +223,6 @@ def backward_fraction(fwd_bwd_s: float, step_s: float) -> float:
 
 def compute_from_run(run_dir: Path) -> tuple[float, float | None, int]:
     """(median step seconds, backward fraction or None, gradient bytes) from a finished 1-process run."""
-    from ddptrain.config import TrainConfig, load_toml
-    from ddptrain.observe.metrics import read_metrics
-
     metrics_path, config_path = run_dir / "metrics.jsonl", run_dir / "config.toml"
     if not metrics_path.is_file() or not config_path.is_file():
         raise UsageError(f"--run_dir {run_dir}: no metrics.jsonl and config.toml there; pass the run dir of a "
@@ -316,8 +315,6 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     units = 8
     if args.run_dir:
         step_s, backward, grad_bytes = compute_from_run(Path(args.run_dir))
-        from ddptrain.config import TrainConfig, load_toml
-
         cfg = TrainConfig(**load_toml(str(Path(args.run_dir) / "config.toml")))
         tensors = gradient_tensor_bytes(cfg)
         units = fsdp_unit_count(cfg)
@@ -415,7 +412,6 @@ def memory_from_args(args: argparse.Namespace, train_argv: list[str]) -> tuple[A
     model on the meta device; None when there are none."""
     if not train_argv:
         return None
-    from ddptrain.config import resolve_config
     from ddptrain.tools import memplan
 
     if args.activation_mib is not None and args.activation_mib < 0:
