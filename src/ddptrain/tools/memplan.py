@@ -17,7 +17,8 @@ the world; hsdp: the ranks of a node, so give plan the ranks per node):
 * activations: the tensors one micro-batch's forward saves for backward, counted on fake tensors (parameters
   excluded, each storage once, the largest twice for the gradient flowing back through it) and attributed to
   the unit that saved them: each moment of the step holds the activations of the units not yet through
-  backward.
+  backward. With --activation_checkpointing a recomputed block keeps only its inputs from its forward to its
+  backward, where it saves its activations again while its backward runs: one block's at a time.
 
 The moments are each unit's forward and each unit's backward; the peak is the fullest. --cpu_offload keeps
 the state at rest on the host: the device holds the rest.
@@ -39,7 +40,7 @@ from torch import nn
 from ddptrain.config import TrainConfig
 from ddptrain.errors import UsageError
 from ddptrain.loop.tasks import build_task
-from ddptrain.models import build_model, lora
+from ddptrain.models import build_model, hf, lora
 from ddptrain.observe.perf import values_unknown
 from ddptrain.parallel.strategies import fsdp_blocks
 
@@ -49,12 +50,14 @@ MIB = 1 << 20
 @dataclass(frozen=True)
 class Unit:
     """An FSDP unit: its name, how many elements it holds (all and trainable), and the bytes the forward of one
-    micro-batch saves for backward while it runs (at fp32)."""
+    micro-batch saves for backward while it runs (at fp32); for a block that --activation_checkpointing
+    recomputes, the bytes of its inputs, all it keeps until its backward (None: not recomputed)."""
 
     name: str
     elements: int
     trainable: int
     activations: int = 0
+    inputs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -131,8 +134,14 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
     grads = share(shape.trainable) * weight
     optimizer = share(shape.trainable) * states
     acts = [int(u.activations * compute / 4) for u in units]
-    if not sharded:  # DDP's gradient buckets are allocated once and hold every gradient; activations peak at the loss
-        return Footprint(ranks, params, grads, optimizer, grads, 0, sum(acts), False, "end of forward")
+    # What each unit's forward leaves saved until its backward, and what its backward saves again (recomputed).
+    kept = [a if u.inputs is None else int(u.inputs * compute / 4) for u, a in zip(units, acts)]
+    again = [0 if u.inputs is None else a for u, a in zip(units, acts)]
+    if not sharded:  # DDP's gradient buckets are allocated once and hold every gradient
+        alive, moment = max([(sum(kept), "end of forward")]
+                            + [(sum(kept[:i + 1]) + again[i], f"backward of {units[i].name}")
+                               for i in range(len(units)) if again[i]], key=lambda m: m[0])
+        return Footprint(ranks, params, grads, optimizer, grads, 0, alive, False, moment)
     held = {root.name} if cfg.reshard_after_forward else {u.name for u in units}  # gathered forward to backward
     held_bytes = sum(u.elements for u in units if u.name in held) * compute
     # With accumulation the whole model's unsharded gradients wait between micro-steps, in --reduce_dtype.
@@ -146,7 +155,7 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
 
     moments = []  # (moment, gradient shards, gathered, activations)
     for i, unit in enumerate(units):
-        moments.append((f"forward of {unit.name}", 0, held_bytes + in_forward(unit), sum(acts[:i + 1])))
+        moments.append((f"forward of {unit.name}", 0, held_bytes + in_forward(unit), sum(kept[:i + 1])))
     done = 0
     for i in reversed(range(len(units))):  # backward: unit i's whole gradients and reduce-scatter input, and the
         unit = units[i]                      # next unit of backward gathered ahead (FSDP2's prefetch)
@@ -155,7 +164,7 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
         working += gathered(units[i - 1]) if i > 0 else 0
         if reduce != weight:  # the reduce-scatter's output in --reduce_dtype, before its cast into the shards
             working += share(unit.trainable) * reduce
-        moments.append((f"backward of {unit.name}", done, working, sum(acts[:i + 1])))
+        moments.append((f"backward of {unit.name}", done, working, sum(kept[:i + 1]) + again[i]))
     moment, grads_at_peak, working, alive = max(moments, key=lambda m: m[1] + m[2] + m[3])
     return Footprint(ranks, params, grads, optimizer, grads_at_peak, working, alive, cfg.cpu_offload, moment)
 
@@ -168,8 +177,10 @@ def model_shape(cfg: TrainConfig, activation_mib: float | None = None) -> ModelS
         model = build_model(cfg, on_meta=True)
         if cfg.lora_rank:
             model = lora.apply(model, cfg)
-    blocks = fsdp_blocks(model, cfg.fsdp_blocks) if cfg.strategy != "ddp" else []
+    # ddp's replica is one unit, but for the blocks --activation_checkpointing recomputes
+    blocks = fsdp_blocks(model, cfg.fsdp_blocks) if cfg.strategy != "ddp" or cfg.activation_checkpointing else []
     names = {id(b): next(n for n, m in model.named_modules() if m is b) for b in blocks}
+    recomputed = recomputed_blocks(model, cfg) if cfg.activation_checkpointing else []
     saved = None if activation_mib is not None else saved_by_unit(model, blocks, cfg)
     order = sorted(blocks, key=lambda b: saved["order"].index(id(b)) if saved and id(b) in saved["order"] else 1 << 30)
     seen: set[int] = set()
@@ -180,9 +191,19 @@ def model_shape(cfg: TrainConfig, activation_mib: float | None = None) -> ModelS
         activations = saved["bytes"].get(key, 0) if saved else 0
         if key == "root" and activation_mib is not None:
             activations = int(activation_mib * MIB)
+        inputs = saved["inputs"].get(key, 0) if saved and key in {id(b) for b in recomputed} else None
         units.append(Unit(names.get(key, "root"), sum(p.numel() for p in params),
-                          sum(p.numel() for p in params if p.requires_grad), activations))
+                          sum(p.numel() for p in params if p.requires_grad), activations, inputs))
     return ModelShape(tuple(units), activation_mib is not None or saved is not None)
+
+
+def recomputed_blocks(model: nn.Module, cfg: TrainConfig) -> list[nn.Module]:
+    """The blocks --activation_checkpointing recomputes (`strategies.recompute_blocks`): a transformers model's
+    own (its `_no_split_modules` classes), else the FSDP blocks."""
+    if hf.is_transformers(model) and getattr(model, "supports_gradient_checkpointing", False):
+        names = set(getattr(model, "_no_split_modules", None) or ())
+        return [m for m in model.modules() if type(m).__name__ in names]
+    return fsdp_blocks(model, cfg.fsdp_blocks)
 
 
 def synthetic_batch(cfg: TrainConfig) -> object | None:
@@ -198,7 +219,8 @@ def synthetic_batch(cfg: TrainConfig) -> object | None:
 
 def saved_by_unit(model: nn.Module, blocks: list[nn.Module], cfg: TrainConfig) -> dict | None:
     """One micro-batch's forward and loss on fake tensors: {"order": the blocks' ids in the order their forward
-    ran, "bytes": {block id or "root": the bytes saved for backward while it ran}}, parameters excluded and each
+    ran, "bytes": {block id or "root": the bytes saved for backward while it ran}, "inputs": {block id: the
+    bytes of the tensors it was called with, what a recomputed block keeps}}, parameters excluded and each
     storage counted once, the largest saved tensor twice (the gradient flowing back through it); None where the
     task's batch cannot be made up."""
     batch = synthetic_batch(cfg)
@@ -207,11 +229,17 @@ def saved_by_unit(model: nn.Module, blocks: list[nn.Module], cfg: TrainConfig) -
     running: list[object] = ["root"]
     order: list[int] = []
     saved: dict[int, tuple[object, int]] = {}
+    inputs: dict[int, int] = {}
+    passed: set[int] = set()  # the storages some block was called with: each counted once
 
-    def enter(module: nn.Module, args: object) -> None:
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
         running.append(id(module))
         if id(module) not in order:
             order.append(id(module))
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        fresh = {_storage(t): t.untyped_storage().nbytes() for t in tensors} if tensors else {}
+        inputs[id(module)] = sum(size for key, size in fresh.items() if key not in params and key not in passed)
+        passed.update(fresh)
 
     def leave(module: nn.Module, args: object, output: object) -> None:
         running.pop()
@@ -222,7 +250,8 @@ def saved_by_unit(model: nn.Module, blocks: list[nn.Module], cfg: TrainConfig) -
             saved[key] = (running[-1], tensor.untyped_storage().nbytes())
         return tensor
 
-    hooks = [h for b in blocks for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]
+    hooks = [h for b in blocks for h in (b.register_forward_pre_hook(enter, with_kwargs=True),
+                                         b.register_forward_hook(leave))]
     task = build_task(cfg)
     try:
         with values_unknown(torch.device("meta")) as as_fake, torch.autograd.graph.saved_tensors_hooks(pack, _same):
@@ -245,7 +274,7 @@ def saved_by_unit(model: nn.Module, blocks: list[nn.Module], cfg: TrainConfig) -
     largest = max(saved.values(), key=lambda entry: entry[1], default=None)
     if largest is not None:
         by_unit[largest[0]] += largest[1]
-    return {"order": order, "bytes": by_unit}
+    return {"order": order, "bytes": by_unit, "inputs": inputs}
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:

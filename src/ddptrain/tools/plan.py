@@ -430,8 +430,8 @@ def render_memory(cfg: Any, shape: memplan.ModelShape, footprints: list[memplan.
                  if sharded else "")
               + (f"; activations {shape.activations / MIB:.1f} MiB (fp32) per micro-batch of {cfg.batch_size}"
                  if shape.activations_known else "; activations not counted for this task (--activation_mib)")
-              + (" as without --activation_checkpointing (which keeps each block's input and recomputes one block "
-                 "at a time)" if cfg.activation_checkpointing and shape.activations_known else ""))
+              + (f"; --activation_checkpointing: {sum(u.inputs is not None for u in shape.units)} blocks keep their "
+                 "inputs, one recomputed at a time" if cfg.activation_checkpointing and shape.activations_known else ""))
     names = ["ranks", "params MiB", "grads MiB", "optimizer MiB", "gathered MiB", "activations MiB",
              "peak MiB/rank", "peak / fp32 model", "at"]
     fp32 = 4 * shape.elements
