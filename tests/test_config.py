@@ -10,6 +10,7 @@ import pytest
 from helpers import one_line_error, run_cli, train
 
 from ddptrain.config import TrainConfig, build_parser, load_toml, resolve_config, to_toml
+from ddptrain.errors import UsageError
 
 # The seed article's flags: each keeps its name and meaning. Values differ from the defaults on purpose.
 SEED_FLAGS = {
@@ -195,3 +196,23 @@ def test_defaults_are_the_seed_articles_except_amp():
     assert (cfg.batch_size, cfg.lr, cfg.weight_decay, cfg.num_workers) == (64, 0.01, 1e-4, 4)
     assert cfg.use_amp is False  # the seed's is on: fp32 exactness, the peers' default, CPU-dependent speed
 
+
+
+def test_validation_is_a_pure_check_and_preflight_checks_devices_and_plug_ins(tmp_path):
+    """TrainConfig.validate reads the config alone and changes nothing (issue 38: settings a component can own);
+    what needs a device, an import or a file is preflight's, and resolution (`settle`) fills in what settings
+    imply."""
+    import copy
+
+    from ddptrain.preflight import check
+
+    cfg = TrainConfig(model="no_such_package.models:build", callbacks="no_such_package:Callback",
+                      tracker="tensorboard", resume_from="checkpoints/step-3", run_dir=str(tmp_path))
+    before = copy.deepcopy(cfg)
+    cfg.validate()
+    assert cfg == before
+    with pytest.raises(UsageError, match="--callbacks 'no_such_package:Callback'"):
+        check(cfg)
+    (tmp_path / "checkpoints" / "step-3").mkdir(parents=True)
+    cfg.settle()
+    assert cfg.tensorboard and cfg.resume_from == str(tmp_path / "checkpoints" / "step-3")

@@ -181,6 +181,7 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
         cfg.run_dir = str(Path("runs") / Path(sys.argv[0] or "default").stem)
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
             cfg.auto_resume = False
+    cfg.settle()
     cfg.validate()
     check(cfg)
     parts = Parts(model, None if train_data is None else (train_data, eval_data), task, collate_fn, optimizer,

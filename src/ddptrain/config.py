@@ -293,10 +293,20 @@ class TrainConfig:
                 f"--lr {self.lr:g} was tuned for: the linear scaling rule (--scale_lr) would train at lr "
                 f"{self.lr * factor:g} (x{factor:g}); training at {self.lr:g}")
 
+    def settle(self) -> None:
+        """Fill in what the settings imply: --tracker tensorboard turns --tensorboard on, and a --resume_from
+        that names `checkpoints/step-N` of the run dir (not found from here) is that path."""
+        if "tensorboard" in parse_trackers(self.tracker):
+            self.tensorboard = True
+        if self.resume_from and not Path(self.resume_from).is_absolute() and not Path(self.resume_from).exists() \
+                and (Path(self.run_dir) / self.resume_from).exists():
+            self.resume_from = str(Path(self.run_dir) / self.resume_from)
+
     def validate(self) -> None:
         """Check every field and the combinations; raise UsageError naming the flag and the fix.
 
-        The config alone: `preflight.check` checks files, packages and checkpoints against it.
+        The config alone, changed in nothing: `preflight.check` checks devices, plug-ins, files, packages and
+        checkpoints against it.
         """
         for f in fields(self):
             value = getattr(self, f.name)
@@ -307,22 +317,8 @@ class TrainConfig:
                 raise UsageError(f"--{f.name}: {value!r} is not one of {', '.join(meta['choices'])}")
             if meta["min"] is not None and value < meta["min"]:
                 raise UsageError(f"--{f.name} must be >= {meta['min']:g} (got {value})")
-        if self.amp_dtype == "fp16" and self.use_amp and not _cuda_available():
-            raise UsageError("--amp_dtype fp16 needs CUDA; use --amp_dtype bf16 for mixed precision on CPU")
-        if self.backend == "nccl" and not _cuda_available():
-            raise UsageError("--backend nccl needs CUDA devices; use --backend gloo (or auto) on CPU")
-        if self.sync_batchnorm and (self.backend == "gloo" or not _cuda_available()):
-            # torch's SyncBatchNorm syncs on CUDA, XPU, HPU and PrivateUse1 devices; of these, ddptrain
-            # trains on CUDA (nccl). Anywhere else its forward would raise at the first step.
-            raise UsageError("--sync_batchnorm needs a device torch's SyncBatchNorm supports (CUDA, XPU, HPU or a "
-                             "PrivateUse1 backend; ddptrain runs it on CUDA with nccl), not CPU/gloo: drop it, or "
-                             "use --norm group for statistics that do not depend on the split")
-        if self.channels_last and not _cuda_available():
-            # Measured on this fleet's CPU build: oneDNN's channels_last backward of some strided 1x1 convs
-            # returns wrong gradients or crashes (uxlfoundation/oneDNN#6035). Silent wrong training is the
-            # worst outcome, so the option is for CUDA only.
-            raise UsageError("--channels_last is for CUDA: on CPU, oneDNN's channels_last convolution backward "
-                             "can return wrong gradients (oneDNN#6035); drop the flag")
+        if self.sync_batchnorm and self.backend == "gloo":
+            raise UsageError(SYNC_BATCHNORM_ON_CPU)
         if self.strategy != "ddp":
             for flag, value, why in (("amp_dtype fp16", self.use_amp and self.amp_dtype == "fp16",
                                       "use --amp_dtype bf16 (FSDP's policy: bf16 compute, fp32 reduction)"),
@@ -350,9 +346,6 @@ class TrainConfig:
                              "does not support no_sync accumulation); drop one of the two flags")
         if self.dataset in FILE_DATASETS and not self.data_dir:
             raise UsageError(f"--dataset {self.dataset} reads files: pass --data_dir DIR")
-        if self.resume_from and not Path(self.resume_from).is_absolute() and not Path(self.resume_from).exists() \
-                and (Path(self.run_dir) / self.resume_from).exists():
-            self.resume_from = str(Path(self.run_dir) / self.resume_from)  # `checkpoints/step-N` of the run dir
         if self.enable_profiling and self.profile_active < 1:
             raise UsageError("--profile_active must be >= 1")
         _check_inject_fault(self.inject_fault)
@@ -371,24 +364,31 @@ class TrainConfig:
         if self.ema_eval and not self.ema_decay:
             raise UsageError("--ema_eval evaluates the moving average of --ema_decay, which is off; set --ema_decay "
                              "(e.g. 0.999)")
-        if "tensorboard" in parse_trackers(self.tracker):
-            self.tensorboard = True
-        for ref in filter(None, (r.strip() for r in self.callbacks.split(","))):
-            load_plugin(ref, "--callbacks")
+        parse_trackers(self.tracker)
         if self.model == "gpt" and self.width % self.num_heads:
             raise UsageError(f"--width {self.width} must be a multiple of --num_heads {self.num_heads} for --model gpt")
         for flag, builtins in (("task", BUILTIN_TASKS), ("model", BUILTIN_MODELS), ("dataset", BUILTIN_DATASETS)):
             name = getattr(self, flag)
             if flag != "task" and name.startswith("hf:"):
                 continue  # a name, a file or a directory: checked by preflight and the builders
-            if ":" in name:
-                load_plugin(name, f"--{flag}")
-            elif name not in builtins:
+            if ":" not in name and name not in builtins:
                 raise UsageError(f"--{flag} {name!r}: not a built-in ({', '.join(builtins)}) nor a 'pkg.mod:fn' "
                                  "plug-in")
 
 
 BUILTIN_MODELS = ("mini_resnet", "mlp", "gpt")
+# torch's SyncBatchNorm syncs on CUDA, XPU, HPU and PrivateUse1 devices; of these, ddptrain trains on CUDA (nccl).
+# Anywhere else its forward would raise at the first step.
+SYNC_BATCHNORM_ON_CPU = ("--sync_batchnorm needs a device torch's SyncBatchNorm supports (CUDA, XPU, HPU or a "
+                         "PrivateUse1 backend; ddptrain runs it on CUDA with nccl), not CPU/gloo: drop it, or use "
+                         "--norm group for statistics that do not depend on the split")
+
+
+def plugin_refs(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """(flag, 'pkg.mod:fn') of every plug-in the config names: callbacks, task, model, dataset."""
+    refs = [("--callbacks", ref) for ref in filter(None, (r.strip() for r in cfg.callbacks.split(",")))]
+    return refs + [(f"--{flag}", name) for flag in ("task", "model", "dataset")
+                   if ":" in (name := getattr(cfg, flag)) and not name.startswith("hf:")]
 
 # What the weights see: a checkpoint trained under other values of these is another training, which a resume
 # must not silently continue (--accept_config_change to do it anyway). Not among them: how long to train
@@ -420,12 +420,6 @@ FILE_DATASETS = ("cifar10", "cifar100", "imagefolder", "tokens")
 BUILTIN_DATASETS = ("synthetic", "digits", "pydoc") + FILE_DATASETS
 BUILTIN_TASKS = ("classification", "regression", "language_model")
 TEXT_DATASETS = ("pydoc", "tokens")  # token windows for language models (text.py)
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _check_inject_fault(spec: str) -> None:
@@ -575,5 +569,6 @@ def resolve_config(argv: list[str], *, validate: bool = True, prog: str = "ddptr
         name = Path(config_file).stem if config_file else f"default-{settings_digest(cfg)}"
         cfg.run_dir = str(Path("runs") / name)
     if validate:
+        cfg.settle()
         cfg.validate()
     return cfg

@@ -10,14 +10,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddptrain.config import BUILTIN_DATASETS, TEXT_DATASETS, TrainConfig, parse_trackers
+from ddptrain.config import (
+    BUILTIN_DATASETS,
+    SYNC_BATCHNORM_ON_CPU,
+    TEXT_DATASETS,
+    TrainConfig,
+    load_plugin,
+    parse_trackers,
+    plugin_refs,
+)
 from ddptrain.errors import UsageError
 from ddptrain.observe.metrics import require_tensorboard
 from ddptrain.observe.trackers import require_tracker
 
 
 def check(cfg: TrainConfig) -> None:
-    """UsageError naming the flag and the fix when the files, packages or checkpoints and the flags disagree."""
+    """UsageError naming the flag and the fix when the devices, plug-ins, files, packages or checkpoints and the
+    flags disagree."""
+    check_devices(cfg)
+    for flag, ref in plugin_refs(cfg):
+        load_plugin(ref, flag)  # importable, the function there
     if cfg.resume_from and not Path(cfg.resume_from).is_dir():
         from ddptrain.checkpoints.format import continues_line  # a restart may find it purged, its line continued
 
@@ -32,6 +44,29 @@ def check(cfg: TrainConfig) -> None:
 
         hf.check_model(cfg)
     check_data(cfg)
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    """UsageError for a setting that needs CUDA on a machine without it."""
+    if not (cfg.use_amp and cfg.amp_dtype == "fp16" or cfg.backend == "nccl" or cfg.sync_batchnorm
+            or cfg.channels_last):
+        return  # no torch to import: the launcher imports it while its workers' server does
+    import torch  # this module stays torch-free (docs/development.md, "Imports")
+
+    if torch.cuda.is_available():
+        return
+    if cfg.amp_dtype == "fp16" and cfg.use_amp:
+        raise UsageError("--amp_dtype fp16 needs CUDA; use --amp_dtype bf16 for mixed precision on CPU")
+    if cfg.backend == "nccl":
+        raise UsageError("--backend nccl needs CUDA devices; use --backend gloo (or auto) on CPU")
+    if cfg.sync_batchnorm:
+        raise UsageError(SYNC_BATCHNORM_ON_CPU)
+    if cfg.channels_last:
+        # Measured on this fleet's CPU build: oneDNN's channels_last backward of some strided 1x1 convs returns
+        # wrong gradients or crashes (uxlfoundation/oneDNN#6035). Silent wrong training is the worst outcome,
+        # so the option is for CUDA only.
+        raise UsageError("--channels_last is for CUDA: on CPU, oneDNN's channels_last convolution backward can "
+                         "return wrong gradients (oneDNN#6035); drop the flag")
 
 
 def check_data(cfg: TrainConfig) -> None:
