@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import gc
 import logging
 import os
 import sys
@@ -75,8 +76,11 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
     with (distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx,
           runlock.held_by_job(ctx, runlock.job_dirs(cfg))):  # before this job writes anything into the run dir
         log = setup_logging(run_dir, ctx.rank, ctx.world_size, ctx.host)
-        if read_launch_env().launched:
+        if read_launch_env().launched:  # a process of its own (fit in a user's process keeps its name and heap)
             name_worker(ctx.rank, ctx.world_size, run_dir)
+            # What exists now (torch's and the libraries' objects) lives to the end: out of every collection, as
+            # the one at the end that frees the Trainer (docs/performance.md, "Costs the code is shaped by").
+            gc.freeze()
         log.debug("address %s on interface %s, device %s", ctx.addr, ctx.interface, ctx.device)
         if ctx.is_main and ctx.world_size > 1:
             log.info("ranks by host: %s", netinfo.describe_hosts(ctx.hosts, ctx.addrs))
