@@ -364,7 +364,7 @@ class TrainConfig:
         if self.ema_eval and not self.ema_decay:
             raise UsageError("--ema_eval evaluates the moving average of --ema_decay, which is off; set --ema_decay "
                              "(e.g. 0.999)")
-        parse_trackers(self.tracker)
+        parse_trackers(self.tracker)  # an unknown tracker's name is a UsageError
         if self.model == "gpt" and self.width % self.num_heads:
             raise UsageError(f"--width {self.width} must be a multiple of --num_heads {self.num_heads} for --model gpt")
         for flag, builtins in (("task", BUILTIN_TASKS), ("model", BUILTIN_MODELS), ("dataset", BUILTIN_DATASETS)):

@@ -48,25 +48,22 @@ def check(cfg: TrainConfig) -> None:
 
 def check_devices(cfg: TrainConfig) -> None:
     """UsageError for a setting that needs CUDA on a machine without it."""
-    if not (cfg.use_amp and cfg.amp_dtype == "fp16" or cfg.backend == "nccl" or cfg.sync_batchnorm
-            or cfg.channels_last):
-        return  # no torch to import: the launcher imports it while its workers' server does
-    import torch  # this module stays torch-free (docs/development.md, "Imports")
-
-    if torch.cuda.is_available():
-        return
-    if cfg.amp_dtype == "fp16" and cfg.use_amp:
-        raise UsageError("--amp_dtype fp16 needs CUDA; use --amp_dtype bf16 for mixed precision on CPU")
-    if cfg.backend == "nccl":
-        raise UsageError("--backend nccl needs CUDA devices; use --backend gloo (or auto) on CPU")
-    if cfg.sync_batchnorm:
-        raise UsageError(SYNC_BATCHNORM_ON_CPU)
-    if cfg.channels_last:
+    needs_cuda = [message for asked, message in (
+        (cfg.use_amp and cfg.amp_dtype == "fp16",
+         "--amp_dtype fp16 needs CUDA; use --amp_dtype bf16 for mixed precision on CPU"),
+        (cfg.backend == "nccl", "--backend nccl needs CUDA devices; use --backend gloo (or auto) on CPU"),
+        (cfg.sync_batchnorm, SYNC_BATCHNORM_ON_CPU),
         # Measured on this fleet's CPU build: oneDNN's channels_last backward of some strided 1x1 convs returns
         # wrong gradients or crashes (uxlfoundation/oneDNN#6035). Silent wrong training is the worst outcome,
         # so the option is for CUDA only.
-        raise UsageError("--channels_last is for CUDA: on CPU, oneDNN's channels_last convolution backward can "
-                         "return wrong gradients (oneDNN#6035); drop the flag")
+        (cfg.channels_last, "--channels_last is for CUDA: on CPU, oneDNN's channels_last convolution backward "
+                            "can return wrong gradients (oneDNN#6035); drop the flag")) if asked]
+    if not needs_cuda:
+        return  # no torch to import: the launcher imports it while its workers' server does
+    import torch  # this module stays torch-free (docs/development.md, "Imports")
+
+    if not torch.cuda.is_available():
+        raise UsageError(needs_cuda[0])
 
 
 def check_data(cfg: TrainConfig) -> None:

@@ -177,12 +177,15 @@ def embedding_units(module: nn.Module) -> list[nn.Module]:
     return [unit for unit in (inputs, outputs) if isinstance(unit, nn.Module)]
 
 
-def enable_activation_checkpointing(module: nn.Module) -> bool:
-    """transformers' own recomputation of each block in backward; False if the model has none."""
-    if not getattr(module, "supports_gradient_checkpointing", False):
-        return False
+def recomputes_itself(module: nn.Module) -> bool:
+    """Whether `module` has transformers' own recomputation of each block in backward (gradient checkpointing,
+    over its `_no_split_modules` blocks)."""
+    return bool(getattr(module, "supports_gradient_checkpointing", False))
+
+
+def enable_activation_checkpointing(module: nn.Module) -> None:
+    """transformers' own recomputation of each block in backward (a model that `recomputes_itself`)."""
     module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return True
 
 
 def save_pretrained(cfg: TrainConfig, state: dict[str, torch.Tensor], out_dir: Path,

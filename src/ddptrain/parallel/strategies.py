@@ -303,14 +303,24 @@ def recompute_blocks(module: nn.Module, spec: str) -> None:
     backward (torch.utils.checkpoint, non-reentrant, RNG state preserved: dropout draws the same twice). The
     blocks are the FSDP units (`fsdp_blocks`); a transformers model uses its own gradient checkpointing.
     Applied before DDP or FSDP wraps the model, and without renaming a parameter (checkpoints stay the same)."""
-    if hf.enable_activation_checkpointing(module):
+    if hf.recomputes_itself(module):
+        hf.enable_activation_checkpointing(module)
         return
-    blocks = fsdp_blocks(module, spec)
+    blocks = recomputed_blocks(module, spec)
     if not blocks:
         raise UsageError("--activation_checkpointing recomputes the model's blocks, and this model names none: give "
                          "it an `fsdp_blocks` attribute, or pass --fsdp_blocks CLASS")
     for block in blocks:
         block.forward = _recomputed(block.forward)
+
+
+def recomputed_blocks(module: nn.Module, spec: str) -> list[nn.Module]:
+    """The blocks --activation_checkpointing recomputes: a transformers model's own (its `_no_split_modules`
+    classes, which its gradient checkpointing covers), else the FSDP blocks (`spec` is --fsdp_blocks)."""
+    if hf.recomputes_itself(module):
+        names = set(getattr(module, "_no_split_modules", None) or ())
+        return [m for m in module.modules() if type(m).__name__ in names]
+    return fsdp_blocks(module, spec)
 
 
 def _recomputed(forward: Any) -> Any:

@@ -40,9 +40,9 @@ from torch import nn
 from ddptrain.config import TrainConfig
 from ddptrain.errors import UsageError
 from ddptrain.loop.tasks import build_task
-from ddptrain.models import build_model, hf, lora
+from ddptrain.models import build_model, lora
 from ddptrain.observe.perf import values_unknown
-from ddptrain.parallel.strategies import fsdp_blocks
+from ddptrain.parallel.strategies import fsdp_blocks, recomputed_blocks
 
 MIB = 1 << 20
 
@@ -180,7 +180,8 @@ def model_shape(cfg: TrainConfig, activation_mib: float | None = None) -> ModelS
     # ddp's replica is one unit, but for the blocks --activation_checkpointing recomputes
     blocks = fsdp_blocks(model, cfg.fsdp_blocks) if cfg.strategy != "ddp" or cfg.activation_checkpointing else []
     names = {id(b): next(n for n, m in model.named_modules() if m is b) for b in blocks}
-    recomputed = recomputed_blocks(model, cfg) if cfg.activation_checkpointing else []
+    recomputed = ({id(b) for b in recomputed_blocks(model, cfg.fsdp_blocks)} if cfg.activation_checkpointing
+                  else set())
     saved = None if activation_mib is not None else saved_by_unit(model, blocks, cfg)
     order = sorted(blocks, key=lambda b: saved["order"].index(id(b)) if saved and id(b) in saved["order"] else 1 << 30)
     seen: set[int] = set()
@@ -191,19 +192,10 @@ def model_shape(cfg: TrainConfig, activation_mib: float | None = None) -> ModelS
         activations = saved["bytes"].get(key, 0) if saved else 0
         if key == "root" and activation_mib is not None:
             activations = int(activation_mib * MIB)
-        inputs = saved["inputs"].get(key, 0) if saved and key in {id(b) for b in recomputed} else None
+        inputs = saved["inputs"].get(key, 0) if saved and key in recomputed else None
         units.append(Unit(names.get(key, "root"), sum(p.numel() for p in params),
                           sum(p.numel() for p in params if p.requires_grad), activations, inputs))
     return ModelShape(tuple(units), activation_mib is not None or saved is not None)
-
-
-def recomputed_blocks(model: nn.Module, cfg: TrainConfig) -> list[nn.Module]:
-    """The blocks --activation_checkpointing recomputes (`strategies.recompute_blocks`): a transformers model's
-    own (its `_no_split_modules` classes), else the FSDP blocks."""
-    if hf.is_transformers(model) and getattr(model, "supports_gradient_checkpointing", False):
-        names = set(getattr(model, "_no_split_modules", None) or ())
-        return [m for m in model.modules() if type(m).__name__ in names]
-    return fsdp_blocks(model, cfg.fsdp_blocks)
 
 
 def synthetic_batch(cfg: TrainConfig) -> object | None:
