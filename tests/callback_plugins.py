@@ -91,6 +91,24 @@ class KillAfterCheckpoint(ddptrain.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class KillOnceCommitted(ddptrain.Callback):
+    """A kill after an async checkpoint, whatever the machine's speed: in the first incarnation, rank $KILL_RANK
+    waits at the boundary after step $KILL_STEP until checkpoints/step-$COMMITTED_STEP has committed (its
+    manifest written by the writer thread, which runs on), then SIGKILLs itself."""
+
+    def on_step_end(self, run):
+        if (run.rank != int(os.environ["KILL_RANK"]) or run.step != int(os.environ["KILL_STEP"])
+                or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
+            return
+        manifest = run.run_dir / "checkpoints" / f"step-{os.environ['COMMITTED_STEP']}" / "manifest.json"
+        deadline = time.monotonic() + 300
+        while not manifest.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{manifest} never appeared")
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class SignalLauncherAtEnd(ddptrain.Callback):
     """A SIGTERM in a finished job's teardown: rank 0 sends it to the `--nproc` launcher as training ends
     (after the final weights), then waits to be stopped with the other workers."""
