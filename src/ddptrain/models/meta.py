@@ -117,7 +117,9 @@ def _post_init_marked(tape: Tape, transformers: bool) -> Iterator[None]:
 
     def marked(model: Any) -> None:
         original(model)
-        tape.steps.append((model, frozenset(id(sub) for sub in model.modules())))
+        # A weak reference: the tape lives as long as the model (_TAPES), and must not keep it alive (an FSDP
+        # model outliving its run holds the process groups into interpreter finalization).
+        tape.steps.append((weakref.ref(model), frozenset(id(sub) for sub in model.modules())))
 
     PreTrainedModel.post_init = marked
     try:
@@ -202,7 +204,9 @@ def replay(module: nn.Module, put: Put, adapted_only: bool = False) -> None:
             continue
         flush()
         scratch_root = scratch = None
-        model, members = step
+        model, members = step[0](), step[1]
+        if model is None:  # a transformers model construction made and dropped: none of the tensors here
+            continue
         post_init(model, lambda sub: id(sub) in members and id(sub) not in done, put)
         done.update(members)
     flush()
