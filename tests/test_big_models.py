@@ -231,8 +231,10 @@ def test_plan_shards_the_llama_as_the_run_did(models, llama_fsdp):
     cfg = resolve_config(["--model", f"hf:{models / 'llama_index'}", *LM, *FSDP])
     shape = memplan.model_shape(cfg)
     log_text = (llama_fsdp / "logs" / "rank-0.log").read_text()
-    assert f": {len(shape.units)} units" in log_text
+    split = sum(1 for unit in shape.units if unit.vocabulary)  # the embedding and head: no FSDP units
+    assert split == 2 and f": {len(shape.units) - split} units, {split} split by vocabulary rows" in log_text
     assert "freed blocks of >= 1048576 bytes go back to the system" in log_text  # parallel/hostmem.py
+    assert "outlived their destruction" not in log_text  # nothing kept the model (and its groups) alive
     logged = re.search(r"optimizer state ([\d.]+) / ([\d.]+) MiB per rank", log_text)
     predicted = memplan.footprint(shape, cfg, 2).held / 2**20
     assert logged and all(abs(float(v) - predicted) <= 0.01 + 0.02 * predicted for v in logged.groups()), \
@@ -279,3 +281,43 @@ print(during - before, mapped_mib() - before)
     kept = run_python(["-c", "from ddptrain.parallel import hostmem; print(hostmem.return_freed_blocks())"],
                       env={"MALLOC_MMAP_THRESHOLD_": "65536"}, fresh=True)
     assert kept.stdout.split()[-1] == "False", kept.stderr  # the user's own threshold stands
+
+
+# --- the vocabulary split (parallel/vocab.py) ------------------------------------------------------------
+
+def test_the_embedding_and_head_split_by_vocabulary_rows_compute_what_the_whole_matrices_compute(tmp_path):
+    """3 ranks, a 10-row vocabulary (4, 4, 2 rows), batches of different lengths, a padding id, tied and not:
+    each rank's embedding output is the whole matrix's bitwise, its logits equal, and its rows' gradient the
+    data-parallel average of every rank's batch (summed in another order: within 1e-6); the streamed save
+    writes each rank's rows in turn, whole."""
+    report_path = tmp_path / "vocab.json"
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                       str(REPO / "tests" / "worker_vocab.py"), str(report_path)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    for case, split in (("untied", 2), ("tied", 1)):
+        ranks = report[case]
+        assert [r["embed_rows"] for r in ranks] == [[0, 4], [4, 8], [8, 10]], case
+        for rank, found in enumerate(ranks):
+            assert found["split"] == split and found["tied"] == (case == "tied"), (case, rank)
+            assert found["embedding_bitwise"] and found["logits"] < 1e-6, (case, rank, found)
+            assert found["eval_logits"] == 0 and found["eval_embedding"] == 0, (case, rank, found)
+            assert found["embed_grad"] < 1e-6 and found["head_grad"] < 1e-6, (case, rank, found)
+            assert found["embed_grad_is_shard"] and found["head_grad_is_shard"], (case, rank)
+        assert ranks[0]["saved_equal"], case
+
+
+def test_the_record_of_a_transformers_build_on_meta_does_not_keep_the_model_alive():
+    """models/meta.py keeps each build's record while the model lives: a record holding the model itself kept
+    every fsdp run's transformers model, and with it the process groups, alive past the run's teardown."""
+    import gc
+    import weakref
+
+    from ddptrain.models import meta
+
+    model = meta.build(lambda: transformers.LlamaForCausalLM(llama_config()), transformers=True)
+    assert model is not None and meta.stored_names(model)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

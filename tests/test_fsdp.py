@@ -322,6 +322,25 @@ def test_a_tied_weight_gpt_under_fsdp_matches_ddp_and_resumes_bitwise(tmp_path):
     assert torch.equal(final["embed.weight"], final["head.weight"]), "the tied matrix is one matrix"
 
 
+SPLIT = "split by vocabulary rows over 2 ranks"
+
+
+@pytest.mark.parametrize("precision", [["--use_amp"], ["--param_dtype", "bf16"], ["--cpu_offload"]])
+def test_the_vocabulary_split_trains_as_the_gathered_embedding_and_head_do_in_each_precision(tmp_path, precision):
+    """parallel/vocab.py under bf16 compute, bf16 weights and offloaded shards, against the tied matrix as an
+    FSDP unit (--no-vocab_parallel): the same losses (fp32 offload: the same weights bitwise as without it)."""
+    split, gathered = tmp_path / "split", tmp_path / "gathered"
+    train(split, *GPT, *FSDP, *precision, "--max_steps", "6", nproc=2)
+    train(gathered, *GPT, *FSDP, *precision, "--no-vocab_parallel", "--max_steps", "6", nproc=2)
+    assert SPLIT in (split / "logs" / "rank-0.log").read_text()
+    assert SPLIT not in (gathered / "logs" / "rank-0.log").read_text()
+    assert list(losses(split).values()) == pytest.approx(list(losses(gathered).values()), rel=1e-2)
+    if precision == ["--cpu_offload"]:
+        plain = tmp_path / "plain"
+        train(plain, *GPT, *FSDP, "--max_steps", "6", nproc=2)
+        assert_bitwise_equal(weights(split / "model.safetensors"), weights(plain / "model.safetensors"))
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--strategy", "hsdp"], "--strategy hsdp needs several nodes"),
     (["--strategy", "fsdp", "--fsdp_blocks", "Nope"], "--fsdp_blocks Nope: the model has no module of that class"),

@@ -238,6 +238,20 @@ def test_fsdp_memory_by_hand_peaks_in_the_backward_of_the_largest_unit():
     assert ddp.device_peak == 3 * 4100 * 4 + 1240
 
 
+def test_a_unit_split_by_vocabulary_rows_is_never_gathered_nor_reduced():
+    # b as a vocabulary matrix of 300 rows (parallel/vocab.py): in its backward only its rows' gradient, computed
+    # and then averaged (2 x 750 x 4), beside the root and a gathered ahead; the peak moves to a's backward.
+    shape = _shape()
+    split = memplan.ModelShape((shape.units[0], dataclasses.replace(shape.units[1], vocabulary=300), shape.units[2]),
+                               activations_known=True)
+    f = memplan.footprint(split, TrainConfig(strategy="fsdp", momentum=0.0), 4)
+    assert f.moment == "backward of a" and f.gathered == 400 + 8000 + 1000 * 8
+    assert f.device_peak < memplan.footprint(shape, TrainConfig(strategy="fsdp", momentum=0.0), 4).device_peak
+    # One rank has nothing to split with: b is gathered as before.
+    assert memplan.footprint(split, TrainConfig(strategy="fsdp"), 1) == memplan.footprint(shape, TrainConfig(
+        strategy="fsdp"), 1)
+
+
 def test_bf16_weights_halve_the_state_and_the_gathered_units_but_not_an_fp32_reduction():
     full = memplan.footprint(_shape(), TrainConfig(strategy="fsdp", momentum=0.0), 4)
     half = memplan.footprint(_shape(), TrainConfig(strategy="fsdp", momentum=0.0, param_dtype="bf16"), 4)
@@ -260,7 +274,7 @@ def test_without_resharding_every_unit_stays_gathered_and_accumulation_holds_who
 
 def test_the_meta_forward_counts_activations_by_unit_in_forward_order_without_parameters():
     cfg = TrainConfig(model="gpt", strategy="fsdp", task="language_model", vocab_size=4096, seq_len=32, width=64,
-                      num_layers=3, num_heads=2, batch_size=4)
+                      num_layers=3, num_heads=2, batch_size=4, vocab_parallel=False)
     shape = memplan.model_shape(cfg)
     assert [u.name for u in shape.units] == ["blocks.0", "blocks.1", "blocks.2", "root"]
     assert shape.elements == sum(p.numel() for p in __import__("ddptrain.models", fromlist=["x"]).build_model(cfg)

@@ -164,6 +164,10 @@ class TrainConfig:
                                       "them from forward to backward (ZeRO-2-like): one all-gather per block per "
                                       "step instead of two, the whole model's parameters held meanwhile. Same "
                                       "result", group="distributed")
+    vocab_parallel: bool = opt(True, "fsdp: each rank keeps its rows of the input embedding and output head and "
+                               "never gathers them; the activations travel instead (parallel/vocab.py). "
+                               "--no-vocab_parallel makes them FSDP units like the blocks. Not under hsdp",
+                               group="distributed")
     cpu_offload: bool = opt(False, "fsdp/hsdp: keep parameter shards, gradients and optimizer state in host memory "
                             "(FSDP2 CPUOffloadPolicy): each block is copied to the device for its compute, the "
                             "optimizer steps on the CPU. Same result, slower", group="distributed")

@@ -29,7 +29,7 @@ import warnings
 from concurrent.futures import Future
 from itertools import combinations
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ddptrain.checkpoints.format import (
     PEER_FAILED,
@@ -393,9 +393,10 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat1
 
 
 class SafetensorsStream:
-    """One safetensors file written a tensor at a time, in the order `entries` (name, dtype, shape) declare:
-    the header (every offset known from the shapes) first, then each tensor's bytes as it comes. Written to a
-    temporary name, fsynced and renamed by `close`: readers see no file or the whole one."""
+    """One safetensors file written a piece at a time: the header (every offset known from the `entries`' name,
+    dtype and shape) first, then each tensor's bytes as they come, whole or a block of rows at a time, each at
+    its place. Written to a temporary name, fsynced and renamed by `close`, which checks that every byte of
+    every declared tensor was written once: readers see no file or the whole one."""
 
     def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
         header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
@@ -408,22 +409,61 @@ class SafetensorsStream:
         encoded = json.dumps(header, separators=(",", ":")).encode()
         encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         self.path, self.tmp = path, path.with_name(f".{path.name}.tmp")
-        self.order = [name for name, _, _ in entries]
+        start = 8 + len(encoded)
+        self.places = {name: (start + header[name]["data_offsets"][0], math.prod(shape[1:]) * dtype.itemsize)
+                       for name, dtype, shape in entries}  # name -> (where its bytes start, bytes per row)
+        self.missing = {name: header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+                        for name, _, _ in entries}
         self.fh = open(self.tmp, "wb")
         self.fh.write(len(encoded).to_bytes(8, "little") + encoded)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        if not self.order or self.order.pop(0) != name:
-            raise ValueError(f"{self.path}: {name} written out of the declared order")
-        self.fh.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    def write(self, name: str, tensor: torch.Tensor, first_row: int = 0) -> None:
+        """`tensor`: the whole of `name`, or its rows from `first_row` on."""
+        if name not in self.places:
+            raise ValueError(f"{self.path}: {name} was not declared")
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        self.missing[name] -= data.nbytes
+        if self.missing[name] < 0:
+            raise ValueError(f"{self.path}: more bytes written for {name} than its shape holds")
+        start, row_bytes = self.places[name]
+        self.fh.seek(start + first_row * row_bytes)
+        self.fh.write(memoryview(data))  # (no copy of the bytes)
 
     def close(self) -> None:
-        if self.order:
-            raise ValueError(f"{self.path}: {len(self.order)} declared tensors never written ({self.order[0]}, ...)")
+        unwritten = [name for name, left in self.missing.items() if left]
+        if unwritten:
+            raise ValueError(f"{self.path}: {len(unwritten)} declared tensors not wholly written ({unwritten[0]}, ...)")
         self.fh.flush()
         os.fsync(self.fh.fileno())
         self.fh.close()
         os.replace(self.tmp, self.path)
+
+
+def row_blocks(tensor: torch.Tensor, is_main: bool) -> Iterator[tuple[int, torch.Tensor]]:
+    """The whole of `tensor` on rank 0 as (first row, rows) blocks, every rank's part of a tensor sharded by rows
+    over a 1-D mesh (FSDP2's, parallel/vocab.py's) received from it in turn; anything else gathered whole. Other
+    ranks send their part and get nothing. All ranks, in the same order of tensors."""
+    if not (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1 and tensor.placements == (Shard(0),)):
+        full = whole_on_cpu(tensor)
+        if is_main:
+            yield 0, full
+        return
+    mesh = tensor.device_mesh
+    group, me, local = mesh.get_group(), mesh.get_local_rank(), tensor.to_local().detach()
+    main = dist.get_global_rank(group, 0)
+    chunk = -(-tensor.shape[0] // mesh.size())  # torch.chunk's rows, as Shard(0) places them
+    for rank in range(mesh.size()):
+        start, stop = min(rank * chunk, tensor.shape[0]), min((rank + 1) * chunk, tensor.shape[0])
+        if start == stop:
+            continue
+        if rank == me and is_main:
+            yield start, local
+        elif is_main:
+            block = local.new_empty((stop - start, *tensor.shape[1:]))
+            dist.recv(block, src=dist.get_global_rank(group, rank), group=group)
+            yield start, block
+        elif rank == me:
+            dist.send(local.contiguous(), dst=main, group=group)
 
 
 def write_streamed(module: nn.Module, path: Path, metadata: dict[str, str], is_main: bool,
@@ -431,8 +471,8 @@ def write_streamed(module: nn.Module, path: Path, metadata: dict[str, str], is_m
     """The whole model's state_dict into `path` (one safetensors file, every name; a tied tensor under each of
     its names, as `format.safetensors_bytes` writes it) and, with `hf_dir`, into HF's sharded layout there
     (`model-0000K-of-0000N.safetensors` + `model.safetensors.index.json`; a tied tensor under its first name,
-    as save_pretrained writes it). Tensors are gathered one at a time and written by rank 0 as they come: no
-    rank holds more than one whole tensor. All ranks."""
+    as save_pretrained writes it). Rank 0 writes each tensor as it comes, a tensor sharded by rows a rank's rows
+    at a time (`row_blocks`): no rank holds more than one other rank's part of a tensor. All ranks."""
     state = module.state_dict(keep_vars=True)  # the tensors themselves: a tie is one object under two names
     shapes = {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
     by_tensor: dict[int, tuple[list[str], torch.Tensor]] = {}  # a tied tensor: gathered once, all its names
@@ -465,13 +505,12 @@ def write_streamed(module: nn.Module, path: Path, metadata: dict[str, str], is_m
             hf = {file: SafetensorsStream(hf_dir / file, [(n, *shapes[n]) for n in group], {"format": "pt"})
                   for group, file in zip(groups, files)}
     for names, tensor in by_tensor.values():
-        full = whole_on_cpu(tensor)
-        if main is not None:
+        for first_row, block in row_blocks(tensor, is_main):
             for name in names:
-                main.write(name, full)
+                main.write(name, block, first_row)
             if hf is not None:
-                hf[hf_files[names[0]]].write(names[0], full)
-        del full
+                hf[hf_files[names[0]]].write(names[0], block, first_row)
+            del block
     if main is not None:
         main.close()
     if hf is not None:

@@ -268,7 +268,9 @@ class Trainer(CheckpointedState):
                 if (cfg.save_every and pos.epoch % cfg.save_every == 0) or self.run_view.best_wanted:
                     self.save()
 
-            # The end: log the partial window, evaluate if the last epoch ended early, final save.
+            # The end: log the partial window, evaluate if the last epoch ended early, final save. The last
+            # step's gradients are spent: freed first, the final eval, save and gathered export need none.
+            self.optimizer.zero_grad(set_to_none=True)
             if self.window.steps:
                 self._log_train(bar)
             self.train_log.finish()

@@ -112,7 +112,7 @@ class GPT(nn.Module):
     """A small GPT-style decoder: token + learned position embeddings, pre-norm causal blocks, a final norm,
     and an output layer tied to the token embedding. `forward(tokens)` -> (batch, length, vocab) logits."""
 
-    fsdp_blocks = (Block,)  # the tied embedding/output matrix stays with the root unit
+    fsdp_blocks = (Block,)  # the tied embedding/output matrix: split by vocabulary rows, or in the root unit
 
     def __init__(self, vocab_size: int, seq_len: int, width: int, num_layers: int, num_heads: int):
         super().__init__()
@@ -128,6 +128,12 @@ class GPT(nn.Module):
                 nn.init.normal_(param, std=0.02)
             elif name.endswith("bias"):
                 nn.init.zeros_(param)
+
+    def get_input_embeddings(self) -> nn.Embedding:  # transformers' names: parallel/vocab.py finds them so
+        return self.embed
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.head
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(batch, length) token ids -> (batch, length, vocab) logits. `attention_mask` (1 = token, 0 = padding)

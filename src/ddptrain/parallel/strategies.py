@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddptrain.config import TrainConfig, load_plugin
 from ddptrain.errors import TrainingError, UsageError
 from ddptrain.models import hf
-from ddptrain.parallel import hostmem, materialize
+from ddptrain.parallel import hostmem, materialize, vocab
 from ddptrain.parallel.distributed import DistributedContext
 
 log = logging.getLogger("ddptrain")
@@ -143,9 +143,17 @@ class ShardedParallel:
             module.to(torch.bfloat16)  # the shards, their gradients and optimizer state: bf16 (meta: filled rounded)
         # Pinned host memory needs an accelerator; on CPU the shards already live on the host.
         offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+        # The embedding and head split by vocabulary rows, never gathered (parallel/vocab.py); FSDP2 leaves them.
+        # Offloaded shards live on the host from the start (as FSDP2 moves a built model's there).
+        home = torch.device("cpu") if cfg.cpu_offload else ctx.device
+        self.vocabulary = vocab.shard(module, self.mesh, home, policy.param_dtype) if vocab.wanted(cfg) else set()
         shard = functools.partial(fully_shard, mesh=self.mesh, mp_policy=policy, offload_policy=offload,
-                                  reshard_after_forward=cfg.reshard_after_forward)
-        blocks = fsdp_blocks(module, cfg.fsdp_blocks)
+                                  reshard_after_forward=cfg.reshard_after_forward,
+                                  ignored_params=self.vocabulary or None)
+        blocks = [b for b in fsdp_blocks(module, cfg.fsdp_blocks) if not vocab.only_vocabulary(b, self.vocabulary)]
+        if self.vocabulary:
+            log.info("%s: the input embedding and output head split by vocabulary rows over %d ranks, never "
+                     "gathered", cfg.strategy, ctx.world_size)
         if not blocks and ctx.is_main:
             log.warning("--strategy %s: the model names no blocks (an `fsdp_blocks` attribute or --fsdp_blocks), "
                         "so it is one unit: memory is sharded at rest but gathered whole for every forward",
@@ -154,11 +162,9 @@ class ShardedParallel:
             if cfg.compile:  # each unit compiled in place (names unchanged); FSDP2's hooks stay outside its graphs
                 block.compile()
             shard(block)
-        shard(module)
+        shard(module, mp_policy=precision_policy(cfg, root=True))
         if materialize.is_meta(module):  # built on the meta device (models.meta_buildable): each rank fills its shards
             source = hf.pretrained_dir(cfg) if hf.is_hf(cfg.model) else None
-            # Offloaded shards live on the host from the start (as FSDP2 moves a built model's there).
-            home = torch.device("cpu") if cfg.cpu_offload else ctx.device
             materialize.materialize(module, home, cfg.seed, source)
             log.info("%s: built on the meta device, each rank's shards filled from %s", cfg.strategy,
                      source or f"the init of seed {cfg.seed}")
@@ -169,7 +175,8 @@ class ShardedParallel:
         if cfg.compile and blocks:
             log.info("%s: --compile per block: %d blocks compiled, each before it was sharded", cfg.strategy,
                      len(blocks))
-        log.debug("%s over mesh %s: %d units", cfg.strategy, tuple(shape), self.units)
+        log.debug("%s over mesh %s: %d units, %d split by vocabulary rows", cfg.strategy, tuple(shape), self.units,
+                  len(self.vocabulary))
 
     def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
         """Gradients reduce-scatter on the `last` micro-step only, before it they accumulate unsharded; or,
@@ -256,16 +263,20 @@ class ShardedParallel:
             _check_replicas(self.module, self.ctx, [r % self.mesh.size(1) for r in range(self.ctx.world_size)])
 
 
-def precision_policy(cfg: TrainConfig) -> Any:
-    """FSDP2's MixedPrecisionPolicy from --use_amp, --param_dtype and --reduce_dtype.
+def precision_policy(cfg: TrainConfig, root: bool = False) -> Any:
+    """FSDP2's MixedPrecisionPolicy from --use_amp, --param_dtype and --reduce_dtype, for a block or the `root`.
 
     --use_amp computes in bf16 (parameters gathered as bf16) over the fp32 shards; bf16 weights compute in bf16
-    anyway. Either way the inputs of each unit are cast to bf16 and the outputs back to fp32, so the loss is
-    taken in fp32. Gradients are reduced in --reduce_dtype and written to the shards in the weights' dtype.
+    anyway. Either way the inputs of each unit are cast to bf16, and the root's output (the model's) back to
+    fp32, so the loss is taken in fp32. A block's output stays bf16: FSDP2 casts every unit's output to the
+    policy's output dtype, and an fp32 block output met the root's own bf16 parameters after the blocks (a
+    GPT's final LayerNorm refused the mix). Gradients are reduced in --reduce_dtype and written to the shards
+    in the weights' dtype.
     """
     reduce = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
     if cfg.use_amp or cfg.param_dtype == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce, output_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce,
+                                    output_dtype=torch.float32 if root else None)
     return MixedPrecisionPolicy(reduce_dtype=reduce)
 
 

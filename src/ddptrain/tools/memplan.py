@@ -42,6 +42,7 @@ from ddptrain.errors import UsageError
 from ddptrain.loop.tasks import build_task
 from ddptrain.models import build_model, lora
 from ddptrain.observe.perf import values_unknown
+from ddptrain.parallel import vocab
 from ddptrain.parallel.strategies import fsdp_blocks, recomputed_blocks
 
 MIB = 1 << 20
@@ -58,6 +59,7 @@ class Unit:
     trainable: int
     activations: int = 0
     inputs: int | None = None
+    vocabulary: int = 0  # the rows of the vocabulary matrix this unit computes with, split (parallel/vocab.py)
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,7 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
     states = optimizer_states(cfg.optimizer, cfg.momentum) * weight
     units, root = shape.units, shape.units[-1]
     share = (lambda n: math.ceil(n / ranks)) if sharded else (lambda n: n)
+    split = {u.name for u in units if u.vocabulary and ranks > 1 and vocab.splits(u.vocabulary, ranks)}
     params = share(shape.elements) * weight
     grads = share(shape.trainable) * weight
     optimizer = share(shape.trainable) * states
@@ -142,13 +145,13 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
                             + [(sum(kept[:i + 1]) + again[i], f"backward of {units[i].name}")
                                for i in range(len(units)) if again[i]], key=lambda m: m[0])
         return Footprint(ranks, params, grads, optimizer, grads, 0, alive, False, moment)
-    held = {root.name} if cfg.reshard_after_forward else {u.name for u in units}  # gathered forward to backward
+    held = ({root.name} if cfg.reshard_after_forward else {u.name for u in units}) - split  # forward to backward
     held_bytes = sum(u.elements for u in units if u.name in held) * compute
     # With accumulation the whole model's unsharded gradients wait between micro-steps, in --reduce_dtype.
     accumulated = shape.trainable * reduce if cfg.grad_accum_steps > 1 and not cfg.fsdp_reduce_every_micro_step else 0
 
     def gathered(unit: Unit) -> int:  # FSDP2's flat all-gather buffer and the copy-out of a unit not held
-        return 0 if unit.name in held else 2 * unit.elements * compute
+        return 0 if unit.name in held or unit.name in split else 2 * unit.elements * compute
 
     def in_forward(unit: Unit) -> int:  # a held unit's copy-out is in held_bytes; its flat buffer lives on
         return unit.elements * compute if unit.name in held else gathered(unit)
@@ -160,10 +163,13 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
     for i in reversed(range(len(units))):  # backward: unit i's whole gradients and reduce-scatter input, and the
         unit = units[i]                      # next unit of backward gathered ahead (FSDP2's prefetch)
         done += share(unit.trainable) * weight
-        working = held_bytes + gathered(unit) + unit.trainable * (compute + reduce) + accumulated
+        if unit.name in split:  # its rows' gradient, computed and then averaged: no whole gradient, no reduction
+            working = held_bytes + 2 * share(unit.trainable) * compute + accumulated
+        else:
+            working = held_bytes + gathered(unit) + unit.trainable * (compute + reduce) + accumulated
+            if reduce != weight:  # the reduce-scatter's output in --reduce_dtype, before its cast into the shards
+                working += share(unit.trainable) * reduce
         working += gathered(units[i - 1]) if i > 0 else 0
-        if reduce != weight:  # the reduce-scatter's output in --reduce_dtype, before its cast into the shards
-            working += share(unit.trainable) * reduce
         moments.append((f"backward of {unit.name}", done, working, sum(kept[:i + 1]) + again[i]))
     moment, grads_at_peak, working, alive = max(moments, key=lambda m: m[1] + m[2] + m[3])
     return Footprint(ranks, params, grads, optimizer, grads_at_peak, working, alive, cfg.cpu_offload, moment)
@@ -179,6 +185,11 @@ def model_shape(cfg: TrainConfig, activation_mib: float | None = None) -> ModelS
             model = lora.apply(model, cfg)
     # ddp's replica is one unit, but for the blocks --activation_checkpointing recomputes
     blocks = fsdp_blocks(model, cfg.fsdp_blocks) if cfg.strategy != "ddp" or cfg.activation_checkpointing else []
+    # The vocabulary matrices split by rows: each module computing with one is a unit of its own, never gathered.
+    vocabulary = set(vocab.vocab_weights(model)) if vocab.wanted(cfg) else set()
+    if vocabulary:
+        blocks = [b for b in blocks if not vocab.only_vocabulary(b, vocabulary)]
+        blocks += [m for m in model.modules() if m._parameters.get("weight") in vocabulary]
     names = {id(b): next(n for n, m in model.named_modules() if m is b) for b in blocks}
     recomputed = ({id(b) for b in recomputed_blocks(model, cfg.fsdp_blocks)} if cfg.activation_checkpointing
                   else set())
@@ -193,8 +204,9 @@ def model_shape(cfg: TrainConfig, activation_mib: float | None = None) -> ModelS
         if key == "root" and activation_mib is not None:
             activations = int(activation_mib * MIB)
         inputs = saved["inputs"].get(key, 0) if saved and key in recomputed else None
+        rows = module.weight.shape[0] if key != "root" and module._parameters.get("weight") in vocabulary else 0
         units.append(Unit(names.get(key, "root"), sum(p.numel() for p in params),
-                          sum(p.numel() for p in params if p.requires_grad), activations, inputs))
+                          sum(p.numel() for p in params if p.requires_grad), activations, inputs, rows))
     return ModelShape(tuple(units), activation_mib is not None or saved is not None)
 
 
