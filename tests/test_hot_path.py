@@ -91,8 +91,9 @@ def test_step_settings_that_avoid_known_traps_hold_on_the_live_objects(worker_re
         "bucket_bytes_cap": int(cfg.bucket_cap_mb * 2**20), "num_workers": 1, "persistent_workers": True,
         "pin_memory": False, "prefetch_factor": 4}  # no pinning on CPU
     num_params = len(list(MiniResNet(width=8).parameters()))
-    # Step 1 starts without gradients; every later step finds the previous step's and drops them all.
-    assert worker_result["zero_grads"] == [[0, 0]] + [[num_params, 0]] * 6, worker_result["zero_grads"]
+    # Step 1 starts without gradients; every later step finds the previous step's and drops them all, and so
+    # does the end of training, before the final eval, save and export (the last step's are spent).
+    assert worker_result["zero_grads"] == [[0, 0]] + [[num_params, 0]] * 7, worker_result["zero_grads"]
     # Steps 2-5, 2 micro-batches each: inputs and targets.
     assert worker_result["non_blocking"] == [True] * (4 * 2 * 2), worker_result["non_blocking"]
 

@@ -12,7 +12,9 @@ the world; hsdp: the ranks of a node, so give plan the ranks per node):
   from the weights' dtype, writes an output in it before the cast into the shard), while the next unit of
   backward is gathered ahead (FSDP2's prefetch). Parameters are gathered at the compute dtype: bf16 under
   --use_amp or --param_dtype bf16. The root unit (what no block holds) stays gathered from its forward to its
-  backward; with --no-reshard_after_forward every unit does. With --grad_accum_steps > 1 (and not
+  backward; with --no-reshard_after_forward every unit does. The input embedding and output head split by
+  vocabulary rows under fsdp (parallel/vocab.py) are units never gathered: in backward each holds its rows'
+  gradient, computed and then averaged. With --grad_accum_steps > 1 (and not
   --fsdp_reduce_every_micro_step) the whole model's unsharded gradients wait between micro-steps;
 * activations: the tensors one micro-batch's forward saves for backward, counted on fake tensors (parameters
   excluded, each storage once, the largest twice for the gradient flowing back through it) and attributed to
