@@ -304,6 +304,7 @@ def test_the_embedding_and_head_split_by_vocabulary_rows_compute_what_the_whole_
             assert found["eval_logits"] == 0 and found["eval_embedding"] == 0, (case, rank, found)
             assert found["embed_grad"] < 1e-6 and found["head_grad"] < 1e-6, (case, rank, found)
             assert found["embed_grad_is_shard"] and found["head_grad_is_shard"], (case, rank)
+            assert "a token id outside the embedding's 10 rows" in found["out_of_range"], found["out_of_range"]
         assert ranks[0]["saved_equal"], case
 
 

@@ -76,12 +76,17 @@ def case(tied: bool, mesh, rank: int, world: int) -> dict:
     loss(logits, rank).backward()
     with torch.no_grad():
         eval_vectors, eval_logits = split(ids)
+        try:  # every rank: the check comes before the first collective
+            split(torch.full_like(ids, VOCAB))
+            out_of_range = "no error"
+        except RuntimeError as exc:
+            out_of_range = str(exc)
     found = {"split": len(kept), "tied": split.embed.weight is split.head.weight,
              "embedding": (vectors - outputs[rank][0]).abs().max().item(),
              "embedding_bitwise": torch.equal(vectors, outputs[rank][0]),
              "logits": (logits - outputs[rank][1]).abs().max().item(),
              "eval_logits": (eval_logits - logits).abs().max().item(),
-             "eval_embedding": (eval_vectors - vectors).abs().max().item()}
+             "eval_embedding": (eval_vectors - vectors).abs().max().item(), "out_of_range": out_of_range}
     # The streamed save (checkpoints/shards.py) writes each rank's rows in turn, uneven ones and a rank with none.
     split.odd = nn.Parameter(distribute_tensor(torch.arange(6.0).view(2, 3), mesh, [Shard(0)]))
     saved = Path(sys.argv[1]).with_name(f"{'tied' if tied else 'untied'}.safetensors")

@@ -125,6 +125,9 @@ def _local_weight(module: nn.Module, device: torch.device, compute_dtype: torch.
 def _embedding(module: nn.Embedding, mesh: DeviceMesh, start: int, compute_dtype: torch.dtype | None,
                ids: torch.Tensor) -> torch.Tensor:
     weight = _local_weight(module, ids.device, compute_dtype)
+    # A whole lookup fails on an id outside the vocabulary; split, it would find no rank's row: a zero vector.
+    torch._assert_async(((ids >= 0) & (ids < module.weight.shape[0])).all(),
+                        f"a token id outside the embedding's {module.weight.shape[0]} rows")
     flat = _padded(ids.reshape(-1), mesh, value=-1)
     every = _gather_rows(flat, mesh)  # the ids of every rank's tokens
     local = every - start
