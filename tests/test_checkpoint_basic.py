@@ -116,3 +116,23 @@ def test_a_mapped_model_file_reads_rows_of_each_tensor_and_0_d_tensors_whole(tmp
     assert torch.equal(mapped.rows("bias", slice(None)), saved["bias"])
     assert torch.equal(mapped.rows("scale", slice(None)), saved["scale"])
     assert torch.equal(mapped["weight"], saved["weight"])
+
+
+def test_the_save_schedule_decides_each_boundary():
+    """checkpoints.manager.SaveSchedule: the one place the loop asks whether a boundary saves."""
+    from ddptrain.checkpoints.manager import SaveSchedule
+
+    every = SaveSchedule(every_epochs=2, every_steps=5, every_minutes=0)
+    assert [s for s in range(1, 16) if every.due(s)] == [5, 10, 15]
+    assert every.due(3, timed=True) and every.due(3, best=True)
+    # At an epoch's end only --save_every (and a wanted best) count, not the step.
+    assert [e for e in range(1, 6) if every.due(10, epoch_end=e)] == [2, 4]
+    assert every.due(7, epoch_end=1, best=True)
+    never = SaveSchedule()
+    assert not any(never.due(s) or never.due(s, epoch_end=s) for s in range(1, 20)) and not never.minutes_up()
+    timed = SaveSchedule(every_minutes=0.5)
+    assert not timed.minutes_up()
+    timed.last_save -= 31  # seconds
+    assert timed.minutes_up()
+    timed.start_clock()
+    assert not timed.minutes_up()

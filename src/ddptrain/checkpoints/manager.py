@@ -49,11 +49,40 @@ READ_ATTEMPTS = 3  # reads of one checkpoint before an I/O error counts as more 
 READ_RETRY_S = 1.0  # the wait before the second read; the third waits twice as long
 
 
+class SaveSchedule:
+    """When the loop saves: at an epoch's end every --save_every epochs, at a step boundary every
+    --save_every_steps steps or --save_every_minutes (rank 0's clock, cast in the control vote so that every
+    rank saves the same step), and wherever a best checkpoint is wanted. The loop asks `due` once per boundary;
+    a preemption, the time limit and the end of training save whatever it says."""
+
+    def __init__(self, every_epochs: int = 0, every_steps: int = 0, every_minutes: float = 0.0):
+        self.every_epochs, self.every_steps, self.every_minutes = every_epochs, every_steps, every_minutes
+        self.last_save = time.monotonic()
+
+    def start_clock(self) -> None:
+        """The minutes count from now (a save, or the start of training)."""
+        self.last_save = time.monotonic()
+
+    def minutes_up(self) -> bool:
+        """Whether --save_every_minutes have passed since the last save, by this process's clock."""
+        return self.every_minutes > 0 and time.monotonic() - self.last_save >= 60 * self.every_minutes
+
+    def due(self, step: int, epoch_end: int | None = None, timed: bool = False, best: bool = False) -> bool:
+        """Whether to save at the boundary after `step`; `epoch_end`: the number of epochs done, at an epoch's
+        end (where only --save_every counts); `timed`: the vote's agreed `minutes_up`; `best`: a callback
+        wants this step kept as best/."""
+        if epoch_end is not None:
+            return best or bool(self.every_epochs and epoch_end % self.every_epochs == 0)
+        return best or timed or bool(self.every_steps and step % self.every_steps == 0)
+
+
 class CheckpointManager:
     """Saves and resumes through committed directories. Methods marked 'all ranks' are collective."""
 
     def __init__(self, ctx: DistributedContext, directory: Path, keep_last: int, async_save: bool,
-                 timeout_s: float, injector: FaultInjector | None = None, sharded: bool = False):
+                 timeout_s: float, injector: FaultInjector | None = None, sharded: bool = False,
+                 schedule: SaveSchedule | None = None):
+        self.schedule = schedule or SaveSchedule()
         self.ctx, self.directory, self.keep_last, self.timeout_s = ctx, directory, keep_last, timeout_s
         self.async_save, self.injector, self.sharded = async_save, injector, sharded
         self._group: dist.ProcessGroup | None = None
@@ -77,6 +106,11 @@ class CheckpointManager:
         `make_snapshot` runs on rank 0 only. With async saves the state is copied to the CPU here, on the
         training thread, and written by a background thread; the next save (or `wait`) reports its fate.
         """
+        self._save(position, make_snapshot, rng_state, best)
+        self.schedule.start_clock()  # --save_every_minutes count from the end of a save
+
+    def _save(self, position: Position, make_snapshot: Callable[[], Snapshot], rng_state: dict[str, Any],
+              best: dict[str, Any] | None) -> None:
         self.wait()  # one save in flight at most; also surfaces a failed background write
         if self.sharded:
             return self._save_sharded(position, make_snapshot, self.ctx.all_gather_object(rng_state), best)

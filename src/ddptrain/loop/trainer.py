@@ -26,7 +26,7 @@ from torch import nn
 import ddptrain
 from ddptrain.checkpoints.format import (BEST_ABOUT, Position, changed_settings_error, read_json, safetensors_bytes,
                                          write_atomic)
-from ddptrain.checkpoints.manager import CheckpointManager
+from ddptrain.checkpoints.manager import CheckpointManager, SaveSchedule
 from ddptrain.config import TrainConfig, parse_duration, parse_trackers, setting_changes
 from ddptrain.data.batch import to_device
 from ddptrain.data.pipeline import BatchLayout, build_datasets, epoch_batches
@@ -155,7 +155,9 @@ class Trainer(CheckpointedState):
         cfg, ctx, run_dir, module, device = self.cfg, self.ctx, self.run_dir, self.module, self.ctx.device
         self.injector = FaultInjector(cfg.inject_fault, ctx.rank)
         self.checkpoints = CheckpointManager(ctx, cfg.checkpoint_path, cfg.keep_last, cfg.async_checkpoint,
-                                             cfg.checkpoint_timeout_s, self.injector, sharded=self.parallel.sharded)
+                                             cfg.checkpoint_timeout_s, self.injector, sharded=self.parallel.sharded,
+                                             schedule=SaveSchedule(cfg.save_every, cfg.save_every_steps,
+                                                                   cfg.save_every_minutes))
         self.watchdog = Watchdog(ctx, rank_log_path(run_dir, ctx.rank), cfg.hang_timeout_s,
                                  startup_timeout_s=cfg.init_timeout_s, checkpoint_timeout_s=cfg.checkpoint_timeout_s)
         self.profiler = StepProfiler(cfg.enable_profiling, run_dir, ctx.rank, cfg.profile_wait,
@@ -265,7 +267,7 @@ class Trainer(CheckpointedState):
                 if self._last_eval.get("step") != pos.step:
                     self.evaluate()
                 pos.epoch, pos.cursor = pos.epoch + 1, 0
-                if (cfg.save_every and pos.epoch % cfg.save_every == 0) or self.run_view.best_wanted:
+                if self.checkpoints.schedule.due(pos.step, epoch_end=pos.epoch, best=bool(self.run_view.best_wanted)):
                     self.save()
 
             # The end: log the partial window, evaluate if the last epoch ended early, final save. The last
@@ -470,8 +472,7 @@ class Trainer(CheckpointedState):
         cfg, step = self.cfg, self.position.step
         self.watchdog.phase("sync")
         main = self.ctx.is_main  # rank 0's clock decides what depends on the time
-        due_by_time = (main and cfg.save_every_minutes > 0
-                       and time.monotonic() - self._last_save_time >= 60 * cfg.save_every_minutes)
+        due_by_time = main and self.checkpoints.schedule.minutes_up()
         out_of_time = main and self._deadline is not None and time.time() >= self._deadline
         line = self.train_log.unsent()  # a log step's numbers (CPU): gathered with the vote when it is cast here
         (preempt, timed, time_up, stop), rows = self._vote.exchange(  # in the order of VOTE_FLAGS
@@ -494,7 +495,7 @@ class Trainer(CheckpointedState):
                 log.warning("time limit %s reached: checkpoint of step %d committed; exiting with %d (run the "
                             "same command to continue)", signal_name, step, EXIT_PREEMPTED)
             raise Preempted(step, signal_name)
-        if timed or (cfg.save_every_steps and step % cfg.save_every_steps == 0) or self.run_view.best_wanted:
+        if self.checkpoints.schedule.due(step, timed=bool(timed), best=bool(self.run_view.best_wanted)):
             self.save()
 
     def _agree_to_stop(self, step: int, reason: str) -> None:
@@ -520,7 +521,6 @@ class Trainer(CheckpointedState):
         # A vote cast at this boundary is read at the next: settled now, its outcome rides in the checkpoint.
         self._vote.settle()
         self.checkpoints.save(Position(**vars(self.position)), self.snapshot, self.rank_state(), best)
-        self._last_save_time = time.monotonic()
         self._announce_checkpoint()
 
     def _wait_for_checkpoint(self) -> None:
@@ -540,7 +540,7 @@ class Trainer(CheckpointedState):
     def _resume(self) -> None:
         """Restore the newest usable checkpoint (or --resume_from). All ranks."""
         self._first_step = 0
-        self._last_save_time = time.monotonic()
+        self.checkpoints.schedule.start_clock()
         if self.ctx.is_main:
             for marker in (PREEMPTED_MARKER, FINISHED_MARKER):
                 (self.run_dir / marker).unlink(missing_ok=True)
