@@ -22,7 +22,8 @@ and the network's all-reduce bus bandwidth and latency (from `ddptrain doctor`, 
   efficiency = step(1) / step(N) = throughput(N) / (N * throughput(1)).
 
 * FSDP (next to DDP, same inputs): parameters live in `units` equal shards (the model's fsdp_blocks plus
-  the root). A ring all-gather or reduce-scatter of S bytes takes (N-1)*alpha + (S/B)*(N-1)/N, half an
+  the root; the input embedding and output head split by vocabulary rows are no units, and the activations
+  they exchange instead are not modelled). A ring all-gather or reduce-scatter of S bytes takes (N-1)*alpha + (S/B)*(N-1)/N, half an
   all-reduce. Per step FSDP all-gathers every unit in forward, again in backward (shards are freed after
   forward), and reduce-scatters every unit's gradients: 1.5x DDP's bytes. Each unit's gather overlaps the
   previous unit's compute, so what cannot hide is the first unit's gather in each pass, the last unit's
@@ -265,11 +266,13 @@ def fsdp_unit_count(cfg) -> int:
     import torch
 
     from ddptrain.models import build_model
+    from ddptrain.parallel import vocab
     from ddptrain.parallel.strategies import fsdp_blocks
 
     with torch.device("meta"):
         model = build_model(cfg)
-    return len(fsdp_blocks(model, cfg.fsdp_blocks)) + 1
+    vocabulary = set(vocab.vocab_weights(model)) if vocab.wanted(cfg) else set()
+    return sum(not vocab.only_vocabulary(b, vocabulary) for b in fsdp_blocks(model, cfg.fsdp_blocks)) + 1
 
 
 def tensor_bytes_in_backward_order(model) -> tuple[int, ...]:
@@ -421,13 +424,15 @@ def memory_from_args(args: argparse.Namespace, train_argv: list[str]) -> tuple[A
 
 
 def render_memory(cfg: Any, shape: memplan.ModelShape, footprints: list[memplan.Footprint]) -> str:
-    largest = max(shape.units, key=lambda u: u.elements)
+    gathered = [u for u in shape.units if not u.vocabulary] or list(shape.units)
+    largest = max(gathered, key=lambda u: u.elements)
+    split = len(shape.units) - len(gathered)
     sharded = cfg.strategy != "ddp"
     header = (f"ddptrain plan: memory per rank, {cfg.model} under --strategy {cfg.strategy}: "
               f"{shape.elements / 1e6:.1f}M parameters ({4 * shape.elements / MIB:.0f} MiB in fp32), "
               f"{shape.trainable / 1e6:.3g}M trainable"
-              + (f", {len(shape.units)} units (largest {largest.name}: {4 * largest.elements / MIB:.0f} MiB fp32)"
-                 if sharded else "")
+              + (f", {len(gathered)} units (largest {largest.name}: {4 * largest.elements / MIB:.0f} MiB fp32)"
+                 + (f" and {split} split by vocabulary rows, never gathered" if split else "") if sharded else "")
               + (f"; activations {shape.activations / MIB:.1f} MiB (fp32) per micro-batch of {cfg.batch_size}"
                  if shape.activations_known else "; activations not counted for this task (--activation_mib)")
               + (f"; --activation_checkpointing: {sum(u.inputs is not None for u in shape.units)} blocks keep their "
