@@ -247,9 +247,18 @@ def test_a_unit_split_by_vocabulary_rows_is_never_gathered_nor_reduced():
     f = memplan.footprint(split, TrainConfig(strategy="fsdp", momentum=0.0), 4)
     assert f.moment == "backward of a" and f.gathered == 400 + 8000 + 1000 * 8
     assert f.device_peak < memplan.footprint(shape, TrainConfig(strategy="fsdp", momentum=0.0), 4).device_peak
-    # One rank has nothing to split with: b is gathered as before.
+    # One rank has nothing to split with: b is gathered as before; a tied matrix (in the root unsplit) is the
+    # root's again.
     assert memplan.footprint(split, TrainConfig(strategy="fsdp"), 1) == memplan.footprint(shape, TrainConfig(
         strategy="fsdp"), 1)
+    tied = memplan.ModelShape((shape.units[0], dataclasses.replace(shape.units[1], vocabulary=300, in_root=True),
+                               shape.units[2]), activations_known=True)
+    in_root = memplan.ModelShape((shape.units[0], memplan.Unit("root", 3100, 3100, 840)), activations_known=True)
+    assert memplan.footprint(tied, TrainConfig(strategy="fsdp"), 1) == memplan.footprint(in_root, TrainConfig(
+        strategy="fsdp"), 1)
+    # Between micro-steps FSDP2 holds the whole unsharded gradients of its units, not of the split rows.
+    accumulating = memplan.footprint(split, TrainConfig(strategy="fsdp", momentum=0.0, grad_accum_steps=2), 4)
+    assert accumulating.gathered == 400 + 8000 + 1000 * 8 + (1000 + 100) * 4
 
 
 def test_bf16_weights_halve_the_state_and_the_gathered_units_but_not_an_fp32_reduction():

@@ -450,6 +450,8 @@ def row_blocks(tensor: torch.Tensor, is_main: bool) -> Iterator[tuple[int, torch
         return
     mesh = tensor.device_mesh
     group, me, local = mesh.get_group(), mesh.get_local_rank(), tensor.to_local().detach()
+    if local.device.type != mesh.device_type:  # offloaded rows (--cpu_offload) travel on the group's device
+        local = local.to(mesh.device_type)
     main = dist.get_global_rank(group, 0)
     chunk = -(-tensor.shape[0] // mesh.size())  # torch.chunk's rows, as Shard(0) places them
     for rank in range(mesh.size()):

@@ -122,6 +122,7 @@ def _local_weight(module: nn.Module, device: torch.device, compute_dtype: torch.
     return weight.to(device=device, dtype=compute_dtype or weight.dtype)
 
 
+@torch.compiler.disable  # a model compiled whole: its collectives and autograd Functions run as written
 def _embedding(module: nn.Embedding, mesh: DeviceMesh, start: int, compute_dtype: torch.dtype | None,
                ids: torch.Tensor) -> torch.Tensor:
     weight = _local_weight(module, ids.device, compute_dtype)
@@ -139,6 +140,7 @@ def _embedding(module: nn.Embedding, mesh: DeviceMesh, start: int, compute_dtype
     return vectors[:ids.numel()].reshape(*ids.shape, weight.shape[1])
 
 
+@torch.compiler.disable
 def _head(module: nn.Linear, mesh: DeviceMesh, start: int, compute_dtype: torch.dtype | None,
           hidden: torch.Tensor) -> torch.Tensor:
     weight = _local_weight(module, hidden.device, compute_dtype)

@@ -33,6 +33,7 @@ returns freed blocks at once, `parallel/hostmem.py`), and DDP's communication be
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ class Unit:
     activations: int = 0
     inputs: int | None = None
     vocabulary: int = 0  # the rows of the vocabulary matrix this unit computes with, split (parallel/vocab.py)
+    in_root: bool = False  # a vocabulary unit that, where the ranks cannot split its rows, is part of the root
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,14 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
     units, root = shape.units, shape.units[-1]
     share = (lambda n: math.ceil(n / ranks)) if sharded else (lambda n: n)
     split = {u.name for u in units if u.vocabulary and ranks > 1 and vocab.splits(u.vocabulary, ranks)}
+    # Where the rows do not split (one rank, too few rows), the run leaves the matrix where it was: a tied one
+    # in the root unit.
+    rooted = [u for u in units[:-1] if u.in_root and u.name not in split]
+    if rooted:
+        root = dataclasses.replace(root, elements=root.elements + sum(u.elements for u in rooted),
+                                   trainable=root.trainable + sum(u.trainable for u in rooted),
+                                   activations=root.activations + sum(u.activations for u in rooted))
+        units = tuple(u for u in units[:-1] if u not in rooted) + (root,)
     params = share(shape.elements) * weight
     grads = share(shape.trainable) * weight
     optimizer = share(shape.trainable) * states
@@ -150,7 +160,9 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
     held = ({root.name} if cfg.reshard_after_forward else {u.name for u in units}) - split  # forward to backward
     held_bytes = sum(u.elements for u in units if u.name in held) * compute
     # With accumulation the whole model's unsharded gradients wait between micro-steps, in --reduce_dtype.
-    accumulated = shape.trainable * reduce if cfg.grad_accum_steps > 1 and not cfg.fsdp_reduce_every_micro_step else 0
+    # (Split rows are no FSDP parameters: their gradient accumulates in its rows, counted with the shards.)
+    unsharded = shape.trainable - sum(u.trainable for u in units if u.name in split)
+    accumulated = unsharded * reduce if cfg.grad_accum_steps > 1 and not cfg.fsdp_reduce_every_micro_step else 0
 
     def gathered(unit: Unit) -> int:  # FSDP2's flat all-gather buffer and the copy-out of a unit not held
         return 0 if unit.name in held or unit.name in split else 2 * unit.elements * compute
@@ -189,6 +201,7 @@ def model_shape(cfg: TrainConfig, activation_mib: float | None = None) -> ModelS
     blocks = fsdp_blocks(model, cfg.fsdp_blocks) if cfg.strategy != "ddp" or cfg.activation_checkpointing else []
     # The vocabulary matrices split by rows: each module computing with one is a unit of its own, never gathered.
     vocabulary = set(vocab.vocab_weights(model)) if vocab.wanted(cfg) else set()
+    own = {id(b) for b in blocks}  # the units the vocabulary's modules are part of when not split
     if vocabulary:
         blocks = [b for b in blocks if not vocab.only_vocabulary(b, vocabulary)]
         blocks += [m for m in model.modules() if m._parameters.get("weight") in vocabulary]
@@ -208,7 +221,8 @@ def model_shape(cfg: TrainConfig, activation_mib: float | None = None) -> ModelS
         inputs = saved["inputs"].get(key, 0) if saved and key in recomputed else None
         rows = module.weight.shape[0] if key != "root" and module._parameters.get("weight") in vocabulary else 0
         units.append(Unit(names.get(key, "root"), sum(p.numel() for p in params),
-                          sum(p.numel() for p in params if p.requires_grad), activations, inputs, rows))
+                          sum(p.numel() for p in params if p.requires_grad), activations, inputs, rows,
+                          in_root=bool(rows) and key not in own))
     return ModelShape(tuple(units), activation_mib is not None or saved is not None)
 
 

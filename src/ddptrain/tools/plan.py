@@ -432,7 +432,7 @@ def render_memory(cfg: Any, shape: memplan.ModelShape, footprints: list[memplan.
               f"{shape.elements / 1e6:.1f}M parameters ({4 * shape.elements / MIB:.0f} MiB in fp32), "
               f"{shape.trainable / 1e6:.3g}M trainable"
               + (f", {len(gathered)} units (largest {largest.name}: {4 * largest.elements / MIB:.0f} MiB fp32)"
-                 + (f" and {split} split by vocabulary rows, never gathered" if split else "") if sharded else "")
+                 + (f" and {split} split by vocabulary rows at 2 ranks or more, never gathered" if split else "") if sharded else "")
               + (f"; activations {shape.activations / MIB:.1f} MiB (fp32) per micro-batch of {cfg.batch_size}"
                  if shape.activations_known else "; activations not counted for this task (--activation_mib)")
               + (f"; --activation_checkpointing: {sum(u.inputs is not None for u in shape.units)} blocks keep their "
