@@ -9,7 +9,8 @@ import pipeline_runs as runs
 import pytest
 from helpers import one_line_error, run_cli, train
 
-from ddptrain.config import TrainConfig, build_parser, load_toml, resolve_config, to_toml
+from ddptrain.config import (SECTIONS, TrainConfig, build_parser, load_toml, resolve_config, section_fields,
+                             to_toml)
 from ddptrain.errors import UsageError
 
 # The seed article's flags: each keeps its name and meaning. Values differ from the defaults on purpose.
@@ -69,6 +70,23 @@ def test_command_line_overrides_file_overrides_defaults(tmp_path: Path):
     assert isinstance(load_toml(str(config))["lr"], float), "an integer in TOML is a valid float value"
 
 
+def test_a_config_file_may_group_its_keys_in_sections_and_each_component_reads_its_own(tmp_path: Path):
+    flat = _write(tmp_path, "flat.toml", 'model = "mlp"\nlr = 0.2\nkeep_last = 5\nsave_every_steps = 7\n'
+                  "vocab_parallel = false\n")
+    grouped = _write(tmp_path, "grouped.toml", '[data]\nmodel = "mlp"\n[training]\nlr = 0.2\n[checkpoint]\n'
+                     "keep_last = 5\nsave_every_steps = 7\n[parallel]\nvocab_parallel = false\n")
+    assert load_toml(str(grouped)) == load_toml(str(flat))
+    cfg = resolve_config(["--config", str(grouped), "--run_dir", str(tmp_path / "run")])
+    checkpoint = cfg.section("checkpoint")
+    assert (checkpoint.keep_last, checkpoint.save_every_steps) == (5, 7)
+    assert not hasattr(checkpoint, "lr") and cfg.section("training").lr == 0.2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        checkpoint.keep_last = 1  # a component reads its section; it does not set the run's config
+    # Every key is in exactly one section.
+    assert sorted(k for name in SECTIONS for k in section_fields(name)) == sorted(f.name for f in
+                                                                              dataclasses.fields(TrainConfig))
+
+
 def test_to_toml_round_trips_awkward_values(tmp_path: Path):
     cfg = TrainConfig(run_dir='runs/a "quoted" \\ dir', lr=1e-4, use_amp=True, inject_fault="", seed=0)
     path = tmp_path / "config.toml"
@@ -112,6 +130,10 @@ BAD_INPUT = {
                          "unknown key 'batchsize'; did you mean 'batch_size'"),
     "toml wrong type": (["--config", "{tmp}/typed.toml"], {}, "batch_size = '8' should be int"),
     "malformed toml": (["--config", "{tmp}/broken.toml"], {}, "malformed TOML"),
+    "toml key in another section": (["--config", "{tmp}/misplaced.toml"], {},
+                                    "lr belongs in [training], not [checkpoint]"),
+    "unknown toml section": (["--config", "{tmp}/section.toml"], {}, "unknown table [optimiser]; the sections are"),
+    "toml key set twice": (["--config", "{tmp}/twice.toml"], {}, "keep_last is set twice"),
     "missing config file": (["--config", "{tmp}/nowhere.toml"], {}, "no such file"),
     "unimportable plug-in": (["--model", "no_such_package.models:build"], {}, "--model"),
     "plug-in raising on import": (["--dataset", "broken_plugin:dataset"], {"PYTHONPATH": "{tmp}"}, "--dataset"),
@@ -141,6 +163,9 @@ def bad_files(tmp_path: Path) -> Path:
     _write(tmp_path, "typed.toml", 'batch_size = "8"\n')
     _write(tmp_path, "broken.toml", "lr = = 0.1\n")
     _write(tmp_path, "inf.toml", "grad_clip = inf\n")
+    _write(tmp_path, "misplaced.toml", "[checkpoint]\nkeep_last = 2\nlr = 0.1\n")
+    _write(tmp_path, "section.toml", "[optimiser]\nlr = 0.1\n")
+    _write(tmp_path, "twice.toml", "keep_last = 2\n[checkpoint]\nkeep_last = 4\n")
     _write(tmp_path, "broken_plugin.py", "raise RuntimeError('this plug-in is broken')\n")
     return tmp_path
 

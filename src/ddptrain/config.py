@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -281,6 +281,11 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def section(self, name: str) -> Any:
+        """One section's settings (a [table] of SECTIONS: "checkpoint", "parallel", ...) as a frozen object of
+        their own, for a component built from its section alone."""
+        return section(self, name)
+
     def lr_scaling_warning(self, global_batch_size: int) -> str | None:
         """The warning that --lr was tuned for another global batch, or None where it is not actionable.
 
@@ -482,6 +487,29 @@ def load_plugin(ref: str, flag: str) -> Callable:
 _FIELD_TYPES = {f.name: f.type for f in fields(TrainConfig)}
 _PY_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
+# The sections of the settings: a config file's [table] -> the group of flags it holds (`--help`'s groups). A key
+# may stand at the top level (as every file written before sections did) or in its section's table.
+SECTIONS = {"data": "model and data", "finetune": "fine-tuning", "training": "training",
+            "parallel": "distributed", "checkpoint": "checkpoints", "eval": "evaluation and stopping",
+            "observe": "observability", "performance": "performance"}
+_SECTION_OF = {f.name: next(t for t, g in SECTIONS.items() if g == f.metadata["group"]) for f in fields(TrainConfig)}
+
+
+def section_fields(section: str) -> list[str]:
+    """The config keys of one section (a table name of SECTIONS), in declaration order."""
+    return [name for name, owner in _SECTION_OF.items() if owner == section]
+
+
+def section(cfg: TrainConfig, name: str) -> Any:
+    """The settings of one section as a frozen object of their own: what a component built from it may read."""
+    if name not in SECTIONS:
+        raise KeyError(f"no section {name!r}; the sections are {', '.join(SECTIONS)}")
+    return _SECTION_TYPES[name](**{key: getattr(cfg, key) for key in section_fields(name)})
+
+
+_SECTION_TYPES = {name: make_dataclass(f"{name.title()}Settings", [(key, Any) for key in section_fields(name)],
+                                       frozen=True) for name in SECTIONS}
+
 
 def _coerce(name: str, value: Any, source: str) -> Any:
     want = _PY_TYPES[_FIELD_TYPES[name]]
@@ -503,13 +531,36 @@ def load_toml(path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"--config {path}: malformed TOML ({exc})") from None
     out: dict[str, Any] = {}
-    for key, value in raw.items():
+    for key, value in _flattened(raw, path):
         if key not in _FIELD_TYPES:
             hint = difflib.get_close_matches(key, _FIELD_TYPES, n=1)
             fix = f"did you mean {hint[0]!r}?" if hint else "see `ddptrain train --help` for the keys"
             raise UsageError(f"--config {path}: unknown key {key!r}; {fix}")
+        if key in out:
+            raise UsageError(f"--config {path}: {key} is set twice (at the top level and in [{_SECTION_OF[key]}]); "
+                             "keep one")
         out[key] = _coerce(key, value, f"--config {path}")
     return out
+
+
+def _flattened(raw: dict[str, Any], path: str) -> list[tuple[str, Any]]:
+    """A config file's keys, its [section] tables opened: each key of a table must belong to that section."""
+    flat = []
+    for key, value in raw.items():
+        if not isinstance(value, dict):
+            flat.append((key, value))
+            continue
+        if key not in SECTIONS:
+            raise UsageError(f"--config {path}: unknown table [{key}]; the sections are "
+                             f"{', '.join(f'[{name}]' for name in SECTIONS)} (or keys at the top level)")
+        for inner, inner_value in value.items():
+            if inner in _SECTION_OF and _SECTION_OF[inner] != key:
+                raise UsageError(f"--config {path}: {inner} belongs in [{_SECTION_OF[inner]}], not [{key}] (or at "
+                                 "the top level)")
+            if isinstance(inner_value, dict):
+                raise UsageError(f"--config {path}: [{key}.{inner}]: sections hold keys, not tables")
+            flat.append((inner, inner_value))
+    return flat
 
 
 def toml_value(value: bool | int | float | str) -> str:

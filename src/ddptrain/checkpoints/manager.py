@@ -59,6 +59,11 @@ class SaveSchedule:
         self.every_epochs, self.every_steps, self.every_minutes = every_epochs, every_steps, every_minutes
         self.last_save = time.monotonic()
 
+    @classmethod
+    def of(cls, settings: Any) -> "SaveSchedule":
+        """The schedule of the [checkpoint] section (`TrainConfig.section("checkpoint")`)."""
+        return cls(settings.save_every, settings.save_every_steps, settings.save_every_minutes)
+
     def start_clock(self) -> None:
         """The minutes count from now (a save, or the start of training)."""
         self.last_save = time.monotonic()

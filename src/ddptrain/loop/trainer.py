@@ -156,8 +156,7 @@ class Trainer(CheckpointedState):
         self.injector = FaultInjector(cfg.inject_fault, ctx.rank)
         self.checkpoints = CheckpointManager(ctx, cfg.checkpoint_path, cfg.keep_last, cfg.async_checkpoint,
                                              cfg.checkpoint_timeout_s, self.injector, sharded=self.parallel.sharded,
-                                             schedule=SaveSchedule(cfg.save_every, cfg.save_every_steps,
-                                                                   cfg.save_every_minutes))
+                                             schedule=SaveSchedule.of(cfg.section("checkpoint")))
         self.watchdog = Watchdog(ctx, rank_log_path(run_dir, ctx.rank), cfg.hang_timeout_s,
                                  startup_timeout_s=cfg.init_timeout_s, checkpoint_timeout_s=cfg.checkpoint_timeout_s)
         self.profiler = StepProfiler(cfg.enable_profiling, run_dir, ctx.rank, cfg.profile_wait,
