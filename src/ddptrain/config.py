@@ -509,6 +509,8 @@ def section(cfg: TrainConfig, name: str) -> Any:
 
 _SECTION_TYPES = {name: make_dataclass(f"{name.title()}Settings", [(key, Any) for key in section_fields(name)],
                                        frozen=True) for name in SECTIONS}
+# The sections a component is built from, by name (a TrainConfig has every attribute of each, too).
+DataSettings, TrainingSettings, CheckpointSettings = (_SECTION_TYPES[n] for n in ("data", "training", "checkpoint"))
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:

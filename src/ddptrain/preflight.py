@@ -76,8 +76,8 @@ def check_data(cfg: TrainConfig) -> None:
     elif cfg.dataset in TEXT_DATASETS:
         from ddptrain.data import text  # imports torch and numpy: only when the dataset is asked for
 
-        text.check(cfg)
+        text.check(cfg.section("data"))
     elif cfg.dataset in BUILTIN_DATASETS and cfg.dataset != "synthetic":
         from ddptrain.data import images
 
-        images.check(cfg)
+        images.check(cfg.section("data"))

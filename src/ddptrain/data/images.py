@@ -1,8 +1,8 @@
 """Datasets read from files: CIFAR-10/100 binary, ImageFolder trees, and scikit-learn's digits.
 
-`check(cfg)` is the cheap part (files present, sizes, config flags agree with the data) and runs in
+`check(data)` is the cheap part (files present, sizes, config flags agree with the data) and runs in
 `preflight.check_data`, so a bad directory is a one-line usage error before any process starts.
-`build(cfg)` returns `(train, eval | None)` for `data.build_datasets`.
+`build(data)` returns `(train, eval | None)` for `data.build_datasets`.
 
 Images come out as normalised float tensors (C, H, W). Train augmentation — random crop from a
 zero-padded image, horizontal flip — is written with the global torch RNG, which `data.SeededSamples`
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from ddptrain.config import TrainConfig
+from ddptrain.config import DataSettings
 from ddptrain.errors import UsageError
 
 CROP_PADDING = 4
@@ -88,28 +88,28 @@ CIFAR = {
 }
 
 
-def _cifar_dir(cfg: TrainConfig, fmt: CifarFormat) -> Path:
-    root = _existing_dir(cfg)
+def _cifar_dir(data: DataSettings, fmt: CifarFormat) -> Path:
+    root = _existing_dir(data)
     for candidate in (root, root / fmt.folder):
         if (candidate / fmt.train_files[0]).is_file():
             return candidate
     return root
 
 
-def _cifar_files(cfg: TrainConfig, fmt: CifarFormat) -> tuple[list[Path], list[Path]]:
+def _cifar_files(data: DataSettings, fmt: CifarFormat) -> tuple[list[Path], list[Path]]:
     """The train and eval files, each present and a whole number of records long."""
-    directory = _cifar_dir(cfg, fmt)
+    directory = _cifar_dir(data, fmt)
     expected = ", ".join(fmt.train_files + fmt.eval_files)
     out: tuple[list[Path], list[Path]] = ([], [])
     for names, paths in ((fmt.train_files, out[0]), (fmt.eval_files, out[1])):
         for name in names:
             path = directory / name
             if not path.is_file():
-                raise UsageError(f"--data_dir {cfg.data_dir}: {name} not found in {directory}; {fmt.title} binary "
+                raise UsageError(f"--data_dir {data.data_dir}: {name} not found in {directory}; {fmt.title} binary "
                                  f"needs {expected} (the extracted 'binary version' archive)")
             size = path.stat().st_size
             if size == 0 or size % fmt.record_bytes:
-                raise UsageError(f"--data_dir {cfg.data_dir}: {path} has {size} bytes, not a whole number of "
+                raise UsageError(f"--data_dir {data.data_dir}: {path} has {size} bytes, not a whole number of "
                                  f"{fmt.record_bytes}-byte {fmt.title} records; use the binary version of the "
                                  "dataset (not the python or matlab one)")
             paths.append(path)
@@ -147,18 +147,18 @@ class CifarBinary(Dataset):
         return self.transform(pixels), int(self.targets[index])
 
 
-def _check_cifar(cfg: TrainConfig) -> None:
-    fmt = CIFAR[cfg.dataset]
-    _require_flag(cfg, "num_classes", fmt.num_classes, f"{fmt.title} has {fmt.num_classes} classes")
-    _require_flag(cfg, "in_channels", 3, f"{fmt.title} images are RGB")
-    _require_flag(cfg, "image_size", 32, f"{fmt.title} images are 32x32")
-    _cifar_files(cfg, fmt)
+def _check_cifar(data: DataSettings) -> None:
+    fmt = CIFAR[data.dataset]
+    _require_flag(data, "num_classes", fmt.num_classes, f"{fmt.title} has {fmt.num_classes} classes")
+    _require_flag(data, "in_channels", 3, f"{fmt.title} images are RGB")
+    _require_flag(data, "image_size", 32, f"{fmt.title} images are 32x32")
+    _cifar_files(data, fmt)
 
 
-def _build_cifar(cfg: TrainConfig) -> tuple[Dataset, Dataset]:
-    fmt = CIFAR[cfg.dataset]
-    train_files, eval_files = _cifar_files(cfg, fmt)
-    hint = f"--data_dir {cfg.data_dir}"
+def _build_cifar(data: DataSettings) -> tuple[Dataset, Dataset]:
+    fmt = CIFAR[data.dataset]
+    train_files, eval_files = _cifar_files(data, fmt)
+    hint = f"--data_dir {data.data_dir}"
     return CifarBinary(train_files, fmt, True, hint), CifarBinary(eval_files, fmt, False, hint)
 
 
@@ -171,26 +171,26 @@ def _class_names(split_dir: Path) -> list[str]:
     return sorted(p.name for p in split_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def _image_folder_dirs(cfg: TrainConfig) -> tuple[Path, Path | None, list[str]]:
-    root = _existing_dir(cfg)
+def _image_folder_dirs(data: DataSettings) -> tuple[Path, Path | None, list[str]]:
+    root = _existing_dir(data)
     train_dir = root / "train"
     if not train_dir.is_dir():
-        raise UsageError(f"--data_dir {cfg.data_dir}: no train/ folder; an imagefolder dataset is "
+        raise UsageError(f"--data_dir {data.data_dir}: no train/ folder; an imagefolder dataset is "
                          "DIR/train/<class>/<image> (and optionally DIR/val/<class>/<image>)")
     classes = _class_names(train_dir)
     if len(classes) < 2:
-        raise UsageError(f"--data_dir {cfg.data_dir}: {train_dir} has {len(classes)} class folder(s); make one "
+        raise UsageError(f"--data_dir {data.data_dir}: {train_dir} has {len(classes)} class folder(s); make one "
                          "folder per class (at least 2) holding that class's images")
     eval_dir = next((root / name for name in EVAL_FOLDERS if (root / name).is_dir()), None)
     return train_dir, eval_dir, classes
 
 
-def _check_image_folder(cfg: TrainConfig) -> None:
+def _check_image_folder(data: DataSettings) -> None:
     _require_pillow()
-    _, _, classes = _image_folder_dirs(cfg)
-    _require_flag(cfg, "num_classes", len(classes), f"{cfg.data_dir}/train has {len(classes)} class folders")
-    if cfg.in_channels not in (1, 3):
-        raise UsageError(f"--in_channels {cfg.in_channels}: imagefolder reads images as RGB (3) or grayscale (1); "
+    _, _, classes = _image_folder_dirs(data)
+    _require_flag(data, "num_classes", len(classes), f"{data.data_dir}/train has {len(classes)} class folders")
+    if data.in_channels not in (1, 3):
+        raise UsageError(f"--in_channels {data.in_channels}: imagefolder reads images as RGB (3) or grayscale (1); "
                          "pass --in_channels 3 or 1")
 
 
@@ -248,11 +248,11 @@ def _resize_center_crop(img, size: int):
     return img.crop((left, top, left + size, top + size))
 
 
-def _build_image_folder(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
-    train_dir, eval_dir, classes = _image_folder_dirs(cfg)
+def _build_image_folder(data: DataSettings) -> tuple[Dataset, Dataset | None]:
+    train_dir, eval_dir, classes = _image_folder_dirs(data)
     index = {name: i for i, name in enumerate(classes)}
-    hint = f"--data_dir {cfg.data_dir}"
-    shape = dict(classes=classes, image_size=cfg.image_size, channels=cfg.in_channels)
+    hint = f"--data_dir {data.data_dir}"
+    shape = dict(classes=classes, image_size=data.image_size, channels=data.in_channels)
     train = ImageFolder(_scan(train_dir, index, hint), augment=True, **shape)
     held_out = ImageFolder(_scan(eval_dir, index, hint), augment=False, **shape) if eval_dir else None
     return train, held_out
@@ -290,11 +290,11 @@ def _require_sklearn() -> None:
         raise UsageError("--dataset digits needs scikit-learn: pip install 'ddptrain[digits]'") from None
 
 
-def _check_digits(cfg: TrainConfig) -> None:
+def _check_digits(data: DataSettings) -> None:
     _require_sklearn()
-    _require_flag(cfg, "num_classes", 10, "digits has 10 classes")
-    _require_flag(cfg, "in_channels", 1, "digits images are grayscale")
-    _require_flag(cfg, "image_size", 8, "digits images are 8x8")
+    _require_flag(data, "num_classes", 10, "digits has 10 classes")
+    _require_flag(data, "in_channels", 1, "digits images are grayscale")
+    _require_flag(data, "image_size", 8, "digits images are 8x8")
 
 
 def digits_split(targets: np.ndarray) -> np.ndarray:
@@ -306,7 +306,7 @@ def digits_split(targets: np.ndarray) -> np.ndarray:
     return is_eval
 
 
-def _build_digits(cfg: TrainConfig) -> tuple[Dataset, Dataset]:
+def _build_digits(data: DataSettings) -> tuple[Dataset, Dataset]:
     from sklearn.datasets import load_digits
 
     digits = load_digits()  # 1797 images of 8x8 grey levels 0..16, shipped inside scikit-learn
@@ -321,17 +321,17 @@ def _build_digits(cfg: TrainConfig) -> tuple[Dataset, Dataset]:
 
 # --- entry points --------------------------------------------------------------------------------
 
-def _existing_dir(cfg: TrainConfig) -> Path:
-    root = Path(cfg.data_dir)
+def _existing_dir(data: DataSettings) -> Path:
+    root = Path(data.data_dir)
     if not root.is_dir():
-        raise UsageError(f"--data_dir {cfg.data_dir}: no such directory; pass the directory that holds the "
-                         f"{cfg.dataset} files")
+        raise UsageError(f"--data_dir {data.data_dir}: no such directory; pass the directory that holds the "
+                         f"{data.dataset} files")
     return root
 
 
-def _require_flag(cfg: TrainConfig, name: str, wanted: int, why: str) -> None:
-    if getattr(cfg, name) != wanted:
-        raise UsageError(f"--{name} {getattr(cfg, name)} does not fit --dataset {cfg.dataset}: {why}; "
+def _require_flag(data: DataSettings, name: str, wanted: int, why: str) -> None:
+    if getattr(data, name) != wanted:
+        raise UsageError(f"--{name} {getattr(data, name)} does not fit --dataset {data.dataset}: {why}; "
                          f"pass --{name} {wanted}")
 
 
@@ -341,14 +341,14 @@ _BUILDERS = {"cifar10": _build_cifar, "cifar100": _build_cifar, "imagefolder": _
              "digits": _build_digits}
 
 
-def check(cfg: TrainConfig) -> None:
+def check(data: DataSettings) -> None:
     """Cheap checks of a file-based dataset against the config; UsageError naming the flag and fix."""
-    _CHECKS[cfg.dataset](cfg)
+    _CHECKS[data.dataset](data)
 
 
-def build(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
+def build(data: DataSettings) -> tuple[Dataset, Dataset | None]:
     """(train, eval or None) for a built-in file-based `--dataset`."""
-    if cfg.dataset not in _BUILDERS:
-        raise UsageError(f"--dataset {cfg.dataset!r}: not a file-based dataset ({', '.join(_BUILDERS)})")
-    check(cfg)
-    return _BUILDERS[cfg.dataset](cfg)
+    if data.dataset not in _BUILDERS:
+        raise UsageError(f"--dataset {data.dataset!r}: not a file-based dataset ({', '.join(_BUILDERS)})")
+    check(data)
+    return _BUILDERS[data.dataset](data)

@@ -225,8 +225,8 @@ def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
         held_out = SyntheticImages(cfg.eval_size, offset=cfg.dataset_size, **shape) if cfg.eval_size else None
         return train, held_out
     if cfg.dataset in TEXT_DATASETS:
-        return text.build(cfg)
-    return images.build(cfg)
+        return text.build(cfg.section("data"))
+    return images.build(cfg.section("data"))
 
 
 _END = object()

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import Dataset
 
 from ddptrain.cliargs import ArgParser
-from ddptrain.config import TrainConfig
+from ddptrain.config import DataSettings
 from ddptrain.errors import UsageError
 from ddptrain.models import hf
 
@@ -87,33 +87,33 @@ def read_meta(data_dir: str) -> dict:
     return meta
 
 
-def check(cfg: TrainConfig) -> None:
+def check(data: DataSettings) -> None:
     """Config against the token source: the vocabulary must hold every token id."""
-    vocab = 256 if cfg.dataset == "pydoc" else read_meta(cfg.data_dir)["vocab_size"]
-    if cfg.model.startswith("hf:"):  # the model's own vocabulary, not the gpt-only --vocab_size
-        model_vocab, _ = hf.model_limits(cfg)
+    vocab = 256 if data.dataset == "pydoc" else read_meta(data.data_dir)["vocab_size"]
+    if data.model.startswith("hf:"):  # the model's own vocabulary, not the gpt-only --vocab_size
+        model_vocab, _ = hf.model_limits(data)
         if model_vocab is not None and model_vocab < vocab:
-            raise UsageError(f"--dataset {cfg.dataset}'s vocabulary of {vocab} tokens is larger than --model "
-                             f"{cfg.model}'s {model_vocab}: its ids would index past the embedding; tokenize with "
+            raise UsageError(f"--dataset {data.dataset}'s vocabulary of {vocab} tokens is larger than --model "
+                             f"{data.model}'s {model_vocab}: its ids would index past the embedding; tokenize with "
                              "the model's own tokenizer")
         return
-    if cfg.vocab_size < vocab:
-        raise UsageError(f"--vocab_size {cfg.vocab_size} is smaller than --dataset {cfg.dataset}'s vocabulary of "
+    if data.vocab_size < vocab:
+        raise UsageError(f"--vocab_size {data.vocab_size} is smaller than --dataset {data.dataset}'s vocabulary of "
                          f"{vocab} tokens; pass --vocab_size {vocab}")
 
 
-def build(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
+def build(data: DataSettings) -> tuple[Dataset, Dataset | None]:
     """(train, eval or None) windows for `--dataset pydoc` or `--dataset tokens`."""
-    check(cfg)
-    if cfg.dataset == "pydoc":
+    check(data)
+    if data.dataset == "pydoc":
         tokens = pydoc_tokens()
         split = int(len(tokens) * (1 - EVAL_FRACTION))
-        return TokenWindows([tokens[:split]], cfg.seq_len), TokenWindows([tokens[split:]], cfg.seq_len)
-    meta = read_meta(cfg.data_dir)
-    open_shards = lambda names: [np.memmap(Path(cfg.data_dir) / n, dtype=meta["dtype"], mode="r")  # noqa: E731
+        return TokenWindows([tokens[:split]], data.seq_len), TokenWindows([tokens[split:]], data.seq_len)
+    meta = read_meta(data.data_dir)
+    open_shards = lambda names: [np.memmap(Path(data.data_dir) / n, dtype=meta["dtype"], mode="r")  # noqa: E731
                                  for n in names]
-    train = TokenWindows(open_shards(meta["train"]), cfg.seq_len)
-    held_out = TokenWindows(open_shards(meta["eval"]), cfg.seq_len) if meta.get("eval") else None
+    train = TokenWindows(open_shards(meta["train"]), data.seq_len)
+    held_out = TokenWindows(open_shards(meta["eval"]), data.seq_len) if meta.get("eval") else None
     return train, held_out
 
 

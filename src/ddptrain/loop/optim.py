@@ -8,18 +8,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddptrain.config import TrainConfig
+from ddptrain.config import TrainingSettings
 
 
-def build_optimizer(cfg: TrainConfig, params: list[nn.Parameter] | list[dict[str, Any]], lr: float,
+def build_optimizer(training: TrainingSettings, params: list[nn.Parameter] | list[dict[str, Any]], lr: float,
                     fused: bool = True) -> torch.optim.Optimizer:
     """SGD (the seed's default) or AdamW over `params` (a list, or parameter groups). Fused: one kernel per step
     and an on-device skip (`found_inf`); sharded (DTensor) parameters take the foreach implementation, which has
     a sharded form."""
     kernel = {"fused": True} if fused else {"foreach": True}
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **kernel)
-    return torch.optim.AdamW(params, lr=lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay, **kernel)
+    if training.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=training.momentum, weight_decay=training.weight_decay, **kernel)
+    return torch.optim.AdamW(params, lr=lr, betas=(training.momentum, 0.999), weight_decay=training.weight_decay,
+                             **kernel)
 
 
 # Modules whose parameters are scales, shifts and lookup tables, not weights to shrink: the transformers
@@ -27,11 +28,11 @@ def build_optimizer(cfg: TrainConfig, params: list[nn.Parameter] | list[dict[str
 _NO_DECAY_MODULES = (nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.RMSNorm)
 
 
-def parameter_groups(cfg: TrainConfig, module: nn.Module) -> list[nn.Parameter] | list[dict[str, Any]]:
+def parameter_groups(training: TrainingSettings, module: nn.Module) -> list[nn.Parameter] | list[dict[str, Any]]:
     """The trainable parameters of `module`, in module order; for AdamW (without --decay_all) as two groups:
     weights with --weight_decay, and biases, norm weights and embeddings without."""
     trainable = [p for p in module.parameters() if p.requires_grad]
-    if cfg.optimizer != "adamw" or cfg.decay_all:
+    if training.optimizer != "adamw" or training.decay_all:
         return trainable
     exempt: set[int] = set()
     for owner in module.modules():
@@ -57,13 +58,13 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, peak_lr: float,
+def build_scheduler(training: TrainingSettings, optimizer: torch.optim.Optimizer, peak_lr: float,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    min_ratio = cfg.min_lr / peak_lr if peak_lr > 0 else 0.0
+    min_ratio = training.min_lr / peak_lr if peak_lr > 0 else 0.0
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.lr_schedule, min_ratio))
+        optimizer, lambda s: lr_factor(s, training.warmup_steps, total_steps, training.lr_schedule, min_ratio))
 
 
-def peak_lr(cfg: TrainConfig, global_batch_size: int) -> float:
+def peak_lr(training: TrainingSettings, global_batch_size: int) -> float:
     """--lr, times global batch / --base_batch_size under --scale_lr (the linear scaling rule)."""
-    return cfg.lr * (global_batch_size / cfg.base_batch_size if cfg.scale_lr else 1.0)
+    return training.lr * (global_batch_size / training.base_batch_size if training.scale_lr else 1.0)

@@ -125,14 +125,15 @@ class Trainer(CheckpointedState):
     def _build_optimization(self, parts: Parts) -> None:
         """Optimizer, schedule and fp16 scaler. The linear scaling rule is opt-in: lr * global batch / base batch."""
         cfg, ctx, module = self.cfg, self.ctx, self.module
-        self.peak_lr = peak_lr(cfg, self.layout.global_batch_size)
+        training = cfg.section("training")  # what the optimizer and its schedule are built from
+        self.peak_lr = peak_lr(training, self.layout.global_batch_size)
         lr_warning = cfg.lr_scaling_warning(self.layout.global_batch_size)  # None unless actionable
         if ctx.is_main and lr_warning:
             log.warning("%s", lr_warning)
         if parts.optimizer is not None:
             self.optimizer = parts.optimizer(self.params)
         else:
-            self.optimizer = build_optimizer(cfg, parameter_groups(cfg, module), self.peak_lr,
+            self.optimizer = build_optimizer(training, parameter_groups(training, module), self.peak_lr,
                                              fused=not self.parallel.sharded)
         self._fused = bool(self.optimizer.defaults.get("fused"))  # an on-device skip (see train_step)
         self._no_yes = tuple(torch.tensor(v, device=self.ctx.device) for v in (0.0, 1.0))  # float32 flag values
@@ -144,8 +145,8 @@ class Trainer(CheckpointedState):
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self._own_schedule = parts.scheduler is None  # ddptrain's: the config decides its lr on resume
-        self.scheduler = (build_scheduler(cfg, self.optimizer, self.peak_lr, self.total_steps) if self._own_schedule
-                          else parts.scheduler(self.optimizer))
+        self.scheduler = (build_scheduler(training, self.optimizer, self.peak_lr, self.total_steps)
+                          if self._own_schedule else parts.scheduler(self.optimizer))
         fp16 = cfg.use_amp and cfg.amp_dtype == "fp16"
         self.scaler = torch.amp.GradScaler(ctx.device.type) if fp16 else None
 
