@@ -302,7 +302,7 @@ class SaveSchedule:
     Each save is followed by a window of P steps (the save's cost lands there) and then P clean steps (the
     baseline). An asynchronous write still running at the end of its window is waited for there, so all
     of its cost stays inside its own window. The trainer's own path does the saving: the schedule only sets
-    `save_every_steps` to 1 for the step before a save, and the manager's `async_save`.
+    the manager's schedule to save every step for the step before a save, and the manager's `async_save`.
     """
 
     def __init__(self, trainer: Any, first: int, period: int, num_saves: int):
@@ -332,7 +332,7 @@ class SaveSchedule:
             self.unfinished[closing] = time.perf_counter() - started
         self.timeline(steps_done)
         upcoming = steps_done + 1
-        self.trainer.cfg.save_every_steps = 1 if upcoming in self.save_steps else 0
+        manager.schedule.every_steps = 1 if upcoming in self.save_steps else 0
         if upcoming in self.save_steps:
             manager.async_save = self.is_async(upcoming)
 
