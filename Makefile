@@ -34,7 +34,8 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
 
-# N short 2-process runs back to back (loader workers, async saves, ddp and fsdp, streams, random kills):
+# N short 2-process runs back to back (loader workers, async saves, ddp and fsdp, a GPT split by vocabulary rows,
+# streams, random kills):
 # prints every failure and hang.
 N ?= 100
 stress: $(STAMP)

@@ -38,8 +38,12 @@ KINDS = {
     "stream, loader workers forked per epoch, async saves": ["--dataset", "stream_plugins:image_stream",
                                                              "--num_workers", "2", "--max_steps", "24",
                                                              "--async_checkpoint", "--dataset_size", "256"],
+    "fsdp, a GPT split by vocabulary rows, async sharded saves": [
+        "--strategy", "fsdp", "--task", "language_model", "--model", "gpt", "--dataset", "pydoc", "--vocab_size",
+        "256", "--seq_len", "32", "--width", "32", "--num_layers", "2", "--num_heads", "2", "--num_workers", "1",
+        "--max_steps", "24", "--async_checkpoint"],
 }
-STEPS = 2 * 512 // 32  # two epochs of 32-sample global batches; the stream runs --max_steps 24
+STEPS = 2 * 512 // 32  # two epochs of 32-sample global batches; a kind with --max_steps runs that many
 
 
 def environment() -> dict[str, str]:
@@ -118,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         kind = kinds[index % len(kinds)]
         kill = None
         if index % 3 == 2:
-            steps = 24 if "stream" in kind else STEPS
+            flags = KINDS[kind]
+            steps = int(flags[flags.index("--max_steps") + 1]) if "--max_steps" in flags else STEPS
             kill = f"rank={draw.randrange(2)},step={draw.randrange(2, steps)},kind=sigkill"
         outcome, detail, seconds = run_once(index, kind, kill, work, args.timeout)
         tally[outcome] += 1
