@@ -284,7 +284,9 @@ class TrainConfig:
     def section(self, name: str) -> Any:
         """One section's settings (a [table] of SECTIONS: "checkpoint", "parallel", ...) as a frozen object of
         their own, for a component built from its section alone."""
-        return section(self, name)
+        if name not in SECTIONS:
+            raise KeyError(f"no section {name!r}; the sections are {', '.join(SECTIONS)}")
+        return _SECTION_TYPES[name](**{key: getattr(self, key) for key in section_fields(name)})
 
     def lr_scaling_warning(self, global_batch_size: int) -> str | None:
         """The warning that --lr was tuned for another global batch, or None where it is not actionable.
@@ -498,13 +500,6 @@ _SECTION_OF = {f.name: next(t for t, g in SECTIONS.items() if g == f.metadata["g
 def section_fields(section: str) -> list[str]:
     """The config keys of one section (a table name of SECTIONS), in declaration order."""
     return [name for name, owner in _SECTION_OF.items() if owner == section]
-
-
-def section(cfg: TrainConfig, name: str) -> Any:
-    """The settings of one section as a frozen object of their own: what a component built from it may read."""
-    if name not in SECTIONS:
-        raise KeyError(f"no section {name!r}; the sections are {', '.join(SECTIONS)}")
-    return _SECTION_TYPES[name](**{key: getattr(cfg, key) for key in section_fields(name)})
 
 
 _SECTION_TYPES = {name: make_dataclass(f"{name.title()}Settings", [(key, Any) for key in section_fields(name)],

@@ -66,7 +66,7 @@ from ddptrain.checkpoints.format import (
     _verify_file,
     file_digest,
 )
-from ddptrain.parallel.materialize import local_part, put_local_part, shard_rows, whole_on_cpu
+from ddptrain.parallel.materialize import chunk_rows, local_part, put_local_part, shard_rows, whole_on_cpu
 
 SHARDS = "shards"
 METADATA = f"{SHARDS}/.metadata"
@@ -453,17 +453,16 @@ def row_blocks(tensor: torch.Tensor, is_main: bool) -> Iterator[tuple[int, torch
     if local.device.type != mesh.device_type:  # offloaded rows (--cpu_offload) travel on the group's device
         local = local.to(mesh.device_type)
     main = dist.get_global_rank(group, 0)
-    chunk = -(-tensor.shape[0] // mesh.size())  # torch.chunk's rows, as Shard(0) places them
     for rank in range(mesh.size()):
-        start, stop = min(rank * chunk, tensor.shape[0]), min((rank + 1) * chunk, tensor.shape[0])
-        if start == stop:
+        rows = chunk_rows(tensor.shape[0], mesh.size(), rank)
+        if rows.start == rows.stop:
             continue
         if rank == me and is_main:
-            yield start, local
+            yield rows.start, local
         elif is_main:
-            block = local.new_empty((stop - start, *tensor.shape[1:]))
+            block = local.new_empty((rows.stop - rows.start, *tensor.shape[1:]))
             dist.recv(block, src=dist.get_global_rank(group, rank), group=group)
-            yield start, block
+            yield rows.start, block
         elif rank == me:
             dist.send(local.contiguous(), dst=main, group=group)
 

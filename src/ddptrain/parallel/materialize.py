@@ -70,6 +70,13 @@ def to_empty(module: nn.Module, device: torch.device) -> None:
 
 # --- where a rank's part lies ------------------------------------------------------------------------
 
+def chunk_rows(rows: int, parts: int, index: int) -> slice:
+    """The rows of part `index` when `rows` are split in `parts` as torch.chunk splits them (and DTensor's
+    Shard(0), FSDP2's): ceil(rows / parts) each, the last parts short or empty."""
+    chunk = -(-rows // parts)
+    return slice(min(index * chunk, rows), min((index + 1) * chunk, rows))
+
+
 def shard_rows(tensor: torch.Tensor) -> slice:
     """The rows (dim 0) of a full tensor this rank's part of `tensor` holds: FSDP2's Shard(0) is torch.chunk
     of dim 0 over the mesh's shard dimension (replicated across hsdp's other one); a plain tensor is whole."""
@@ -80,9 +87,8 @@ def shard_rows(tensor: torch.Tensor) -> slice:
         if isinstance(placement, Shard):
             if placement.dim != 0:
                 raise ValueError(f"sharded on dim {placement.dim}: only FSDP2's dim-0 shards are filled here")
-            size, index = tensor.device_mesh.size(dim), tensor.device_mesh.get_local_rank(dim)
-            chunk = -(-(stop - start) // size)  # torch.chunk's: ceil, the last chunks short or empty
-            start, stop = min(start + index * chunk, stop), min(start + (index + 1) * chunk, stop)
+            part = chunk_rows(stop - start, tensor.device_mesh.size(dim), tensor.device_mesh.get_local_rank(dim))
+            start, stop = start + part.start, start + part.stop
     return slice(start, stop)
 
 

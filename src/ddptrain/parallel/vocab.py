@@ -37,6 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn import functional as F
 
+from ddptrain.parallel.materialize import chunk_rows
+
 
 def wanted(cfg: Any) -> bool:
     """Whether cfg asks for the split: --vocab_parallel under fsdp."""
@@ -93,13 +95,12 @@ def shard(model: nn.Module, mesh: DeviceMesh, home: torch.device,
     units in (None: the weights' own). Returns the new parameters, for fully_shard to leave alone; empty where
     the model has no vocabulary this can split."""
     ranks, rank = mesh.size(), mesh.get_local_rank()
-    weights = [w for w in vocab_weights(model) if splits(w.shape[0], ranks)]
-    if mesh.ndim != 1 or ranks < 2 or len(weights) != len(vocab_weights(model)):
+    weights = vocab_weights(model)
+    if mesh.ndim != 1 or ranks < 2 or not all(splits(w.shape[0], ranks) for w in weights):
         return set()
     kept = set()
     for weight in weights:
-        widths = _widths(weight.shape[0], ranks)
-        rows = slice(sum(widths[:rank]), sum(widths[:rank + 1]))
+        rows = chunk_rows(weight.shape[0], ranks, rank)
         local = weight.detach()[rows].to(home if not weight.is_meta else "meta", copy=True)
         split = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=weight.shape,
                                                 stride=weight.stride()), requires_grad=weight.requires_grad)
@@ -154,9 +155,8 @@ def _head(module: nn.Linear, mesh: DeviceMesh, start: int, compute_dtype: torch.
 
 
 def _widths(rows: int, ranks: int) -> list[int]:
-    """How many of `rows` each rank holds under Shard(0): torch.chunk's ceil, the last ranks short or empty."""
-    chunk = -(-rows // ranks)
-    return [max(0, min(chunk, rows - r * chunk)) for r in range(ranks)]
+    """How many of `rows` each rank holds under Shard(0)."""
+    return [len(range(rows)[chunk_rows(rows, ranks, r)]) for r in range(ranks)]
 
 
 def _padded(flat: torch.Tensor, mesh: DeviceMesh, value: float) -> torch.Tensor:
