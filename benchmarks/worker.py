@@ -92,7 +92,7 @@ def train_steps(trainer: Trainer, batches: Any, steps: int) -> float:
     for _ in range(steps):
         trainer.train_step(batches)
         trainer.position.step += 1
-        trainer.scheduler.step()
+        trainer.state.parts["optim"].scheduler.step()
     sync_device(trainer.ctx.device)
     return time.perf_counter() - started
 
@@ -104,9 +104,9 @@ def run_pair(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
         cfg = resolve_config(argv)
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         trainer = Trainer(cfg, ctx, Path(cfg.run_dir))
-        trainer.sampler.set_position(0, 0)
+        trainer.data.sampler.set_position(0, 0)
         trainers.append(trainer)
-        iterators.append(iter(trainer.train_loader))
+        iterators.append(iter(trainer.data.train))
     times: list[list[float]] = [[], []]
     for _ in range(job["blocks"]):
         for side in (0, 1):
@@ -117,7 +117,7 @@ def run_pair(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
     del iterators
     memory = [trainer.parallel.memory(trainer.optimizer) for trainer in trainers]  # rank 0's, state all made
     # The gradients at their fullest in a step, as the memory line states them (Trainer._step).
-    peak_grad = [max(held["grad_bytes"], trainer.accumulated_grad_bytes or 0)
+    peak_grad = [max(held["grad_bytes"], trainer.steps.accumulated_grad_bytes or 0)
                  for held, trainer in zip(memory, trainers)]
     for trainer in trainers:
         trainer.close()
@@ -144,8 +144,8 @@ def activation_bytes(trainer: Trainer, batches: Any) -> int:
     _, batch = next(batches)
     batch = to_device(batch, trainer.ctx.device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        output, _ = trainer.task.loss(trainer.model, batch)
-    loss, _, _ = trainer.normaliser.split(output)
+        output, _ = trainer.task.loss(trainer.parallel.model, batch)
+    loss, _, _ = trainer.steps.normaliser.split(output)
     with trainer.parallel.accumulating(True):
         (loss * 0).backward()  # frees the graph the same way on every rank (DDP's hooks fire)
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -204,7 +204,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
         result["sweep"] = all_reduce_sweep(ctx, job["sweep_sizes"], job.get("sweep_iters", 5))
 
     trainer = Trainer(cfg, ctx, run_dir)
-    result["grad_bytes"] = sum(p.numel() * p.element_size() for p in trainer.params)
+    result["grad_bytes"] = sum(p.numel() * p.element_size() for p in trainer.steps.params)
     result["grad_tensor_bytes"] = list(tensor_bytes_in_backward_order(trainer.module))
     mode = job["mode"]
     counters: dict[str, CommCounter] = {}
@@ -246,8 +246,8 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
         result["peak_mb"] = callback.peak_mb
         result["cpu_s"] = callback.cpu  # rank 0's CPU by kind of thread, per block of each side
         result["phase_cpu_s"] = callback.phase_cpu  # its training thread's CPU by phase, per block
-        result["global_batch_size"] = trainer.layout.global_batch_size
-        result["flops_per_sample"], result["peak_tflops"] = trainer.flops_per_sample, trainer.peak_tflops
+        result["global_batch_size"] = trainer.data.layout.global_batch_size
+        result["flops_per_sample"], result["peak_tflops"] = trainer.train_log.flops_per_sample, trainer.train_log.peak_tflops
     elif isinstance(callback, SaveSchedule):
         result.update(callback.summary())
         result["checkpoint_bytes"] = _newest_checkpoint_bytes(cfg)
@@ -256,7 +256,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
         if comm_timer is not None:
             result["comm"] = comm_timer.per_step(callback.times)
         if job.get("handoff_probe"):
-            result["handoff_s"] = handoff_seconds(trainer.train_loader)
+            result["handoff_s"] = handoff_seconds(trainer.data.train)
     result["calls_s"] = {name: {"count": len(times), "median_s": statistics.median(times) if times else 0.0,
                                 "total_s": sum(times)} for name, times in spent.items()}
     for side, counter in counters.items():

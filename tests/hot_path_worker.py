@@ -70,7 +70,7 @@ class HostReadCounter:
 
 def live_settings(trainer: Trainer) -> dict[str, Any]:
     """The settings that keep a step cheap, read off the objects the Trainer built."""
-    ddp, loader = trainer.parallel.ddp, trainer.train_loader
+    ddp, loader = trainer.parallel.ddp, trainer.data.train
     return {"fused": trainer.optimizer.defaults.get("fused"), "optimizer": type(trainer.optimizer).__name__,
             "gradient_as_bucket_view": ddp.gradient_as_bucket_view, "static_graph": ddp.static_graph,
             "bucket_bytes_cap": ddp.bucket_bytes_cap, "num_workers": loader.num_workers,
@@ -84,9 +84,9 @@ def trace_zero_grad(trainer: Trainer) -> list[tuple[int, int]]:
     zero_grad = trainer.optimizer.zero_grad
 
     def traced(*args: Any, **kwargs: Any) -> None:
-        before = sum(p.grad is not None for p in trainer.params)
+        before = sum(p.grad is not None for p in trainer.steps.params)
         zero_grad(*args, **kwargs)
-        calls.append((before, sum(p.grad is not None for p in trainer.params)))
+        calls.append((before, sum(p.grad is not None for p in trainer.steps.params)))
 
     trainer.optimizer.zero_grad = traced
     return calls
@@ -94,7 +94,7 @@ def trace_zero_grad(trainer: Trainer) -> list[tuple[int, int]]:
 
 class DeviceMoves:
     """The `non_blocking` argument of every Tensor.to that moves a training batch (ddptrain.data.batch.to_device,
-    called from Trainer.train_step) while active."""
+    called from StepRunner.run) while active."""
 
     def __init__(self) -> None:
         self.active = False
@@ -108,8 +108,8 @@ class DeviceMoves:
             while frame is not None and frame.f_code.co_filename.endswith("batch.py"):
                 frame = frame.f_back  # to_device recurses through the batch's structure
             caller = frame.f_code if frame is not None else None
-            if (self.active and moved_by_batch and caller is not None and caller.co_name == "train_step"
-                    and caller.co_filename.endswith("trainer.py")):
+            if (self.active and moved_by_batch and caller is not None and caller.co_name == "run"
+                    and caller.co_filename.endswith("step.py")):
                 self.non_blocking.append(kwargs.get("non_blocking", False))
             return self._original(tensor, *args, **kwargs)
 

@@ -47,8 +47,8 @@ def main(argv: list[str]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     with distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx:
         trainer = Trainer(cfg, ctx, run_dir)
-        counter = CountingLoader(trainer.train_loader)
-        trainer.train_loader = counter
+        counter = CountingLoader(trainer.data.train)
+        trainer.data.train = counter
         micro_of_call: list[int] = []  # for each hook call: index (from 0) of the micro-batch being trained
         # The trainer takes a step's micro-batches before its first forward (it counts their tokens first), so a
         # hook call belongs to the micro-batch of the latest training forward: each backward follows its own.

@@ -5,5 +5,5 @@ of changed settings), the sharded DCP layout (`shards`), reading either layout b
 resume / fall-back / retention policy across ranks (`manager`), and the run-dir lock (`runlock`).
 
 May import: the contracts at the top (config, errors, faults) and `parallel` (the collectives that agree on
-a save). Never the loop, which decides what goes into a checkpoint (`loop.trainer_state`).
+a save). Never the loop, which decides what goes into a checkpoint (`loop.checkpointed`).
 """

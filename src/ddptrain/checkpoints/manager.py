@@ -12,7 +12,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,17 @@ class SaveSchedule:
         return best or timed or bool(self.every_steps and step % self.every_steps == 0)
 
 
+class RunParts(Protocol):
+    """What a checkpoint is taken of (`loop.checkpointed.RunState`): a position, the state every rank shares
+    (`snapshot`, in the checkpoint format) and this rank's own (`rank_state`, gathered from every rank)."""
+
+    position: Position
+
+    def snapshot(self) -> Snapshot: ...
+
+    def rank_state(self) -> dict[str, Any]: ...
+
+
 class CheckpointManager:
     """Saves and resumes through committed directories. Methods marked 'all ranks' are collective."""
 
@@ -102,16 +113,17 @@ class CheckpointManager:
         self._best_error = ""
         self.origin = ""  # the --resume_from checkpoint that started this run's line, recorded in manifests
 
-    def save(self, position: Position, make_snapshot: Callable[[], Snapshot], rng_state: dict[str, Any],
-             best: dict[str, Any] | None = None) -> None:
-        """Gather every rank's RNG state, write and commit on rank 0, agree on the outcome. All ranks.
+    def save(self, state: RunParts, best: dict[str, Any] | None = None) -> None:
+        """Checkpoint `state` at its position: gather every rank's own state, write and commit (rank 0, or each
+        rank its shards), agree on the outcome. All ranks.
 
         `best`: once committed, the checkpoint also becomes DIRECTORY/best (before retention runs), with this
         dict as best/best.json.
-        `make_snapshot` runs on rank 0 only. With async saves the state is copied to the CPU here, on the
-        training thread, and written by a background thread; the next save (or `wait`) reports its fate.
+        `state.snapshot()` runs on rank 0 only, or on every rank when sharded. With async saves the state is
+        copied to the CPU here, on the training thread, and written by a background thread; the next save (or
+        `wait`) reports its fate.
         """
-        self._save(position, make_snapshot, rng_state, best)
+        self._save(Position(**vars(state.position)), state.snapshot, state.rank_state(), best)
         self.schedule.start_clock()  # --save_every_minutes count from the end of a save
 
     def _save(self, position: Position, make_snapshot: Callable[[], Snapshot], rng_state: dict[str, Any],
@@ -119,7 +131,7 @@ class CheckpointManager:
         self.wait()  # one save in flight at most; also surfaces a failed background write
         if self.sharded:
             return self._save_sharded(position, make_snapshot, self.ctx.all_gather_object(rng_state), best)
-        # Every rank's part of a full checkpoint is its RNG state: gathered with any failure to take it, so
+        # Every rank's part of a full checkpoint is its own state: gathered with any failure to take it, so
         # that rank 0 writes nothing unless every rank got this far.
         gathered = self.ctx.all_gather_object((rng_state, self._snapshot_error(position.step)))
         self._agree_on([error for _, error in gathered], position.step)

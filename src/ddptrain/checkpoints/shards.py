@@ -307,7 +307,7 @@ def load_into(module: nn.Module, optimizer: torch.optim.Optimizer, loaded: Loade
     full -> fsdp: each rank reads, of every model and optimizer tensor, the rows its shard holds (the files
     map: `read_checkpoint(mapped=True)`), with no collective. sharded -> any: DCP reads, for each rank, exactly
     the slices its own tensors cover (resharding to any world size; a ddp rank's tensors are whole).
-    full -> ddp needs none of it (`loop.trainer_state` loads it with load_state_dict).
+    full -> ddp needs none of it (`loop.checkpointed.ModelState` loads it with load_state_dict).
     """
     if loaded.shards is None:
         _load_full_rows(module, optimizer, loaded, leave_out)

@@ -99,6 +99,10 @@ class Callbacks:
     def __bool__(self) -> bool:
         return bool(self.items)
 
+    def find(self, kind: type) -> Any:
+        """The first callback of class `kind` (a built-in the flags added), or None."""
+        return next((callback for callback in self.items if isinstance(callback, kind)), None)
+
     def call(self, hook: str, *args: Any) -> None:
         for callback in self.items:
             method = getattr(callback, hook, None)
@@ -127,6 +131,20 @@ def load_callbacks(refs: str) -> list[Any]:
             made = load_plugin(ref, "--callbacks")()
             out.append(made)
     return out
+
+
+def run_callbacks(settings: Any, given: Any, sharded: bool) -> Callbacks:
+    """A run's callbacks, from its [eval] section: `given` (`fit`'s), those --callbacks names, then the
+    built-ins the flags ask for: EMA, early stopping, the best checkpoint (in this order)."""
+    callbacks = [*given, *load_callbacks(settings.callbacks)]
+    if settings.ema_decay:
+        callbacks.append(EMA(settings.ema_decay, sharded))
+    if settings.early_stop_metric:
+        callbacks.append(EarlyStopping(settings.early_stop_metric, settings.early_stop_patience,
+                                       settings.early_stop_mode, settings.early_stop_min_delta))
+    if settings.keep_best:
+        callbacks.append(BestCheckpoint(settings.keep_best, settings.keep_best_mode))
+    return Callbacks(callbacks)
 
 
 class MetricWatch:

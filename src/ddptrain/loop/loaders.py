@@ -26,6 +26,7 @@ warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ work
 
 @dataclass
 class Loaders:
+    layout: BatchLayout
     train: DataLoader
     eval: DataLoader | None
     sampler: GlobalOrderSampler | None  # map-style: set its position before each epoch
@@ -33,6 +34,26 @@ class Loaders:
     stream_position: StreamPosition | None
     num_train: int | None  # samples of a map-style training set
     steps_per_epoch: int | None
+    background: bool  # whether a thread takes the training batches off the training thread (_in_background)
+
+    def total_steps(self, epochs: int, max_steps: int) -> int:
+        """Optimizer steps in the run: --epochs over the training set, at most --max_steps (a stream's only
+        limit)."""
+        if self.stream is not None:
+            return max_steps
+        return min(epochs * self.steps_per_epoch, max_steps) if max_steps else epochs * self.steps_per_epoch
+
+    def close(self) -> None:
+        """Stop the loaders' worker processes now. Safe to call twice; a later epoch would start new ones.
+
+        A Trainer sits in reference cycles (forward hooks hold bound methods), so without this it is freed
+        by the cyclic garbage collector, which can finalize a loader's queues before the loader's iterator
+        asks its workers to stop: the stop message is then never sent and every worker costs a 5 s join
+        timeout. Dropping the iterators while everything is alive shuts the workers down in milliseconds.
+        """
+        for loader in (self.train, self.eval):
+            if loader is not None:
+                loader._iterator = None  # persistent workers: the iterator's __del__ sends them the stop
 
 
 def build_loaders(cfg: TrainConfig, ctx: DistributedContext, layout: BatchLayout, train_ds: Any,
@@ -55,8 +76,8 @@ def build_loaders(cfg: TrainConfig, ctx: DistributedContext, layout: BatchLayout
                              "--max_steps to say how long to train")
         stream = StreamShard(train_ds, cfg.seed, ctx.rank, ctx.world_size)
         position = StreamPosition(ctx.world_size * readers_per_rank(cfg.num_workers), ctx.rank, cfg.num_workers)
-        return Loaders(stream_loader(stream, cfg, device, drop_last=True, seed=train_seed, collate_fn=collate_fn),
-                       eval_loader, None, stream, position, None, None)
+        train = stream_loader(stream, cfg, device, drop_last=True, seed=train_seed, collate_fn=collate_fn)
+        return Loaders(layout, train, eval_loader, None, stream, position, None, None, _in_background(train, device))
     num_train = len(train_ds)
     steps_per_epoch = layout.steps_per_epoch(num_train)
     if steps_per_epoch == 0:
@@ -64,8 +85,15 @@ def build_loaders(cfg: TrainConfig, ctx: DistributedContext, layout: BatchLayout
                          f"{cfg.grad_accum_steps} = {layout.global_batch_size} exceeds the {num_train} training "
                          "samples; lower one of them")
     sampler = GlobalOrderSampler(num_train, layout, ctx.rank, cfg.seed)
-    return Loaders(make_loader(train_ds, sampler, cfg, device, seed=train_seed, collate_fn=collate_fn), eval_loader,
-                   sampler, None, None, num_train, steps_per_epoch)
+    train = make_loader(train_ds, sampler, cfg, device, seed=train_seed, collate_fn=collate_fn)
+    return Loaders(layout, train, eval_loader, sampler, None, None, num_train, steps_per_epoch,
+                   _in_background(train, device))
+
+
+def _in_background(train: DataLoader, device: Any) -> bool:
+    """With loader workers on CPU, a thread takes their batches off the training thread (on CUDA, torch's
+    pin-memory thread does). Without workers, reading a sample seeds the global RNGs: no thread then."""
+    return device.type == "cpu" and train.num_workers > 0
 
 
 def note_loader_processes(cfg: TrainConfig, ctx: DistributedContext) -> None:

@@ -43,15 +43,15 @@ __all__ = ["check_first_batch", "plugin_names", "usage_error_of"]
 log = logging.getLogger("ddptrain")
 
 
-def check_first_batch(trainer: Any, parts: Parts) -> None:
+def check_first_batch(trainer: Any, parts: Parts, autocast: Any) -> None:
     """Run the checks above on this rank's first `--batch_size` items (items rank x batch_size onwards of the
     training set); raise the same UsageError on every rank if any rank finds a mistake. All ranks; call once the
     Trainer has its task, loaders and wrapped model, and before the per-rank RNG streams are seeded (the model's
     dropout draws are then of no consequence).
     """
-    if trainer.stream is not None:
+    if trainer.data.stream is not None:
         return
-    batch = _FirstBatch(trainer, parts)
+    batch = _FirstBatch(trainer, parts, autocast)
     steps = [batch.read, batch.train_loss, batch.eval_metrics]
     if trainer.parallel.sharded or trainer.cfg.sync_batchnorm:
         # Forwards that communicate (parameter gathers, SyncBatchNorm's statistics): every rank runs each, or none.
@@ -62,9 +62,9 @@ def check_first_batch(trainer: Any, parts: Parts) -> None:
 
 
 class _FirstBatch:
-    def __init__(self, trainer: Any, parts: Parts):
+    def __init__(self, trainer: Any, parts: Parts, autocast: Any):
         cfg = self.cfg = trainer.cfg
-        self.trainer, self.ctx, self.module = trainer, trainer.ctx, trainer.module
+        self.trainer, self.ctx, self.module, self.autocast = trainer, trainer.ctx, trainer.module, autocast
         self.task = _own_copy(trainer.task)
         names = plugin_names(cfg, parts)
         self.dataset_name, self.model_name, self.task_name = names["dataset"], names["model"], names["task"]
@@ -72,7 +72,7 @@ class _FirstBatch:
 
     def read(self) -> None:
         """This rank's items, checked, collated and on the device."""
-        loader, size = self.trainer.train_loader, self.cfg.batch_size
+        loader, size = self.trainer.data.train, self.cfg.batch_size
         start = self.ctx.rank * size  # the loaders' checks leave at least world x batch_size items
         dataset = _shallow_copy(loader.dataset.dataset)
         pairs = SeededSamples(dataset, self.cfg.seed).__getitems__([(0, i) for i in range(start, start + size)])
@@ -120,7 +120,7 @@ class _FirstBatch:
         every_parameter = ddp is not None and not (self.cfg.find_unused_parameters or self.cfg.static_graph)
         buffers = [buffer.detach().clone() for buffer in module.buffers()]
         try:
-            with torch.set_grad_enabled(every_parameter), eval_mode(module), self.trainer.autocast():
+            with torch.set_grad_enabled(every_parameter), eval_mode(module), self.autocast():
                 loss = self._loss(self._call())
             if every_parameter:
                 loss.backward()
@@ -135,9 +135,9 @@ class _FirstBatch:
 
     def eval_metrics(self) -> None:
         """The metrics in eval mode, as `Evaluator` sums them; only where there is an eval set."""
-        if self.trainer.eval_loader is None:
+        if self.trainer.data.eval is None:
             return
-        with torch.no_grad(), eval_mode(self.module), self.trainer.autocast():
+        with torch.no_grad(), eval_mode(self.module), self.autocast():
             result = self._call()
         self._loss(result)
         metrics = result[1]

@@ -101,6 +101,13 @@ class TrainLog:
         self.sinks.write({"time": time.time(), "step": step, "epoch": epoch, "split": "memory", "strategy": strategy,
                           **{key: [int(r[i]) for r in ranks] for i, key in enumerate(held)}})
 
+    def write_eval(self, result: dict[str, Any], step: int, epoch: int) -> None:
+        """An eval's line: the log (rank 0), metrics.jsonl and the trackers."""
+        shown = " ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float) and k != "tokens_per_sec")
+        log.info("eval  step %d epoch %d: %s (%d samples)", step, epoch, shown, result["samples"])
+        if self.sinks is not None:
+            self.sinks.write({"time": time.time(), "step": step, "epoch": epoch, "split": "eval", **result})
+
     def write(self, window: MetricWindow, step: int, epoch: int, total_steps: int, lr: float,
               bar: ProgressBar) -> None:
         """Start the train line of the window that ends at `step`; `finish` completes it. All ranks.
@@ -270,3 +277,20 @@ class TrainLog:
                 "data_wait_max_s": max(w for _, w, _ in per_rank),
                 "step_time_s_by_rank": [round(t, 6) for t in times],
                 "data_wait_s_by_rank": [round(w, 6) for _, w, _ in per_rank]}
+
+    def summary(self, position: Any, last_eval: dict[str, Any], elapsed: float, run_dir: Any) -> dict[str, Any]:
+        """What `fit` returns, and its last line on rank 0: steps, updates (and those skipped as non-finite),
+        epochs, time, the last eval's metrics, where the run's files are."""
+        metrics = {k: v for k, v in last_eval.items() if k != "step"}
+        skipped = self.skipped_total
+        summary = {"step": position.step, "updates": position.step - skipped, "epoch": position.epoch,
+                   "elapsed_s": elapsed, "eval": metrics, "eval_loss": metrics.get("loss"),
+                   "eval_accuracy": metrics.get("accuracy")}
+        if self.ctx.is_main:
+            shown = "".join(f", eval {k} {v:.4f}" for k, v in metrics.items()
+                            if isinstance(v, float) and k != "tokens_per_sec")
+            updates = f"{summary['updates']} updates" + (f" ({skipped} skipped: non-finite)" if skipped else "")
+            log.info("done: %d steps, %s, %d epochs in %.1f s%s. run dir %s · metrics %s · weights %s",
+                     summary["step"], updates, summary["epoch"], elapsed, shown,
+                     run_dir, run_dir / "metrics.jsonl", run_dir / "model.safetensors")
+        return summary

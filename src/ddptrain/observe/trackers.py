@@ -32,6 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
+from ddptrain.config import parse_trackers
 from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, UsageError
 from ddptrain.observe.metrics import read_metrics
 
@@ -194,6 +195,17 @@ class _Worker:
 
 class Trackers:
     """The run's trackers (rank 0). `log` takes a metrics line; `close(status)` ends their runs."""
+
+    @classmethod
+    def of_run(cls, cfg: Any, ctx: Any, run_dir: Path, version: str) -> "Trackers | None":
+        """The trackers --tracker names (rank 0's), tagged with the run's world size, strategy, hosts and
+        ddptrain's `version`; None when it names none."""
+        names = parse_trackers(cfg.tracker)
+        if not names:
+            return None
+        tags = {"ddptrain.world_size": str(ctx.world_size), "ddptrain.strategy": cfg.strategy,
+                "ddptrain.hosts": ",".join(sorted(set(ctx.hosts))) or ctx.host, "ddptrain.version": version}
+        return cls(names, run_dir, cfg, tags)
 
     def __init__(self, names: list[str], run_dir: Path, cfg: Any, tags: dict[str, str]):
         backends = {"mlflow": MlflowBackend, "wandb": WandbBackend}

@@ -1,0 +1,360 @@
+"""What a checkpoint holds of a run: a dict of parts, each saving and restoring its own state.
+
+`RunState` holds the parts and speaks the checkpoint format (`checkpoints.format.Snapshot` / `Loaded`); the
+checkpoint manager asks it for a snapshot at each save. A part keeps either state every rank shares (saved
+once, in trainer.pt) or state of its own rank (gathered from every rank), or both:
+
+    part        state shared by the ranks                        state of each rank
+    model       weights; the optimizer's state over them         -
+    optim       schedule, fp16 scaler                            -
+    trainer     agreed stop, last eval, log, tokenizer digest    unlogged metric window, a stop asked here
+    data        (the position: Snapshot.position)                a stream's position
+    callbacks   -                                                each callback's state_dict
+    rng         -                                                torch / numpy / python RNG streams
+
+Shared state is a dict of keys in trainer.pt (`state_dict` / `load_state_dict`); a rank's state is keys of
+that rank's dict (`rank_state_dict` / `load_rank_state`, which reads a `RankStates`). The keys are those of
+the checkpoints ddptrain has always written: the parts split the dicts, not the format. The parts restore in
+the order of the dict (RNG streams last: nothing restored after them may draw).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddptrain.checkpoints.format import Loaded, Position, Snapshot, changed_settings_error
+from ddptrain.config import setting_changes
+from ddptrain.data.pipeline import mix_seed
+from ddptrain.errors import UsageError
+from ddptrain.loop.state import MetricWindow, rng_state, seed_rank_rngs, set_rng_state
+from ddptrain.models import lora
+
+log = logging.getLogger("ddptrain")
+
+# The flags of the control vote (`Trainer._between_steps`), in the order it casts them.
+VOTE_FLAGS = ("preempt", "timed", "time_up", "stop")
+
+# Settings of how an update is computed, not of what it computes (the strategy chooses fused or foreach).
+_IMPLEMENTATION = ("initial_lr", "foreach", "fused", "capturable", "differentiable")
+
+
+@dataclass
+class RankStates:
+    """Every rank's saved dict, as a part restoring its own rank's state reads them."""
+
+    ranks: list[dict[str, Any]]
+    rank: int
+    world_size: int  # this run's
+
+    @property
+    def same_world(self) -> bool:
+        return len(self.ranks) == self.world_size
+
+    @property
+    def own(self) -> dict[str, Any]:
+        """This rank's dict; on another world size rank 0's."""
+        return self.ranks[self.rank] if self.same_world else self.ranks[0]
+
+
+class ModelState:
+    """"model": the weights (less LoRA's frozen base, which the model's source holds) and the optimizer's
+    state over them. One part: under fsdp DCP writes the two as one state dict, and loads them together."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, parallel: Any, ctx: Any,
+                 optimizer_name: str, model_name: str, lora_rank: int):
+        self.module, self.optimizer, self.parallel, self.ctx = module, optimizer, parallel, ctx
+        self.optimizer_name, self.model_name, self.lora_rank = optimizer_name, model_name, lora_rank  # for errors
+        self.frozen = lora.frozen_names(module) if lora.is_lora(module) else []
+        self._fingerprint: list[list[float]] | None = None
+
+    def saved(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
+        """(model, optimizer, shards, trainer.pt keys): rank 0's whole state dicts, or every rank's shards."""
+        extra: dict[str, Any] = {}
+        if self.frozen:
+            extra["frozen"] = {"names": self.frozen, "fingerprint": self.fingerprint()}
+        if self.parallel.sharded:
+            from ddptrain.checkpoints import shards  # DCP: imported by sharded runs only
+
+            state, extra["param_groups"] = shards.state_to_save(self.module, self.optimizer, self.frozen)
+            return None, None, state, extra
+        return self.parallel.state_dict(self.frozen), self.optimizer.state_dict(), None, extra
+
+    def checkpointed(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What a checkpoint holds of the model's `state`: all of it, less the frozen weights under LoRA."""
+        if not self.frozen:
+            return state
+        frozen = set(self.frozen)
+        return {name: value for name, value in state.items() if name not in frozen}
+
+    def fingerprint(self) -> list[list[float]]:
+        """The frozen weights' fingerprint (lora.fingerprint), taken once: they never change. Sharded: every
+        rank's part summed (all ranks, at their first snapshot or restore alike)."""
+        if self._fingerprint is None:
+            mine = lora.fingerprint(self.module, self.frozen)
+            if self.parallel.sharded:
+                parts = self.ctx.gather_floats([x for pair in mine for x in pair])
+                summed = [sum(column) for column in zip(*parts)]
+                mine = [summed[i:i + 2] for i in range(0, len(summed), 2)]
+            self._fingerprint = mine
+        return self._fingerprint
+
+    def load_state_dict(self, loaded: Loaded, group: Any) -> None:
+        """The checkpoint's weights and optimizer state, refused if they are another optimizer's or trained
+        on other frozen weights. All ranks."""
+        saved_optimizer = loaded.manifest["config"].get("optimizer", self.optimizer_name)
+        if saved_optimizer != self.optimizer_name:
+            raise UsageError(f"--optimizer {self.optimizer_name}: {loaded.path} holds {saved_optimizer} state; "
+                             f"resume with --optimizer {saved_optimizer}, or start fresh (--no-auto_resume or "
+                             "another --run_dir)")
+        if self.frozen:
+            self._check_frozen(loaded)
+        self.load_weights(loaded, group)
+
+    def _check_frozen(self, loaded: Loaded) -> None:
+        """A checkpoint of adapters continues only on the weights it was trained on (rebuilt from the model's
+        source): a changed base is refused like a changed setting."""
+        saved = loaded.trainer.get("frozen")
+        if saved is None:
+            raise UsageError(f"{loaded.path} holds the whole model, this run trains LoRA adapters (--lora_rank "
+                             f"{self.lora_rank}); start fresh (--no-auto_resume or another --run_dir)")
+        if saved["names"] != self.frozen or not lora.same_weights(saved["fingerprint"], self.fingerprint()):
+            raise UsageError(f"{loaded.path} was trained on other frozen weights than --model {self.model_name} "
+                             "gives now (its fingerprint differs); resume with the model it was trained on, or "
+                             "start fresh (--no-auto_resume or another --run_dir)")
+
+    def load_weights(self, loaded: Loaded, group: Any) -> None:
+        """`loaded`'s model and optimizer state into the model and optimizer, whatever the layouts. All ranks."""
+        if loaded.shards is None and not self.parallel.sharded:  # full -> ddp: whole tensors, no DCP
+            self.module.load_state_dict(loaded.model, strict=not self.frozen)  # the frozen part: as built
+            self.optimizer.load_state_dict(loaded.optimizer)
+        else:
+            from ddptrain.checkpoints import shards
+
+            shards.load_into(self.module, self.optimizer, loaded, group, self.frozen)
+
+
+class OptimState:
+    """"optim": the learning-rate schedule and the fp16 loss scaler. The config decides the hyperparameters
+    (momentum, betas, weight decay, ...) and ddptrain's schedule its peak lr: a checkpoint supplies state only,
+    and a changed value is said once. Restored after "model", which loads the optimizer's own state."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, peak_lr: float,
+                 own_schedule: bool, is_main: bool):
+        self.optimizer, self.scheduler, self.scaler, self.peak_lr = optimizer, scheduler, scaler, peak_lr
+        self.own_schedule, self.is_main = own_schedule, is_main
+        # The config's hyperparameters, as built: what every resume puts back over the checkpoint's.
+        self.configured = [{k: v for k, v in group.items() if k not in ("params", "lr")}
+                           for group in optimizer.param_groups]
+
+    def step_schedule(self, first: bool) -> None:
+        """The schedule advances with each step. torch warns at a scheduler's first step when the optimizer has
+        not stepped: quiet at this run's `first` step, whose update may have been skipped as non-finite (logged
+        as such)."""
+        if not first:
+            self.scheduler.step()
+            return
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            self.scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        groups = self.optimizer.param_groups
+        for group, wanted in zip(groups, self.configured):
+            changed = {k: (group.get(k), v) for k, v in wanted.items()
+                       if group.get(k) != v and k not in _IMPLEMENTATION}
+            if changed and self.is_main and group is groups[0]:
+                log.warning("resume: the config overrides the checkpoint's optimizer settings: %s",
+                            ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+            group.update(wanted)
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.own_schedule:  # the config decides the peak lr; a user's scheduler restores its own state
+            self.scheduler.base_lrs = [self.peak_lr] * len(groups)
+            for group, factor in zip(groups, self.scheduler.lr_lambdas):
+                group["lr"] = self.peak_lr * factor(self.scheduler.last_epoch)
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+class TrainerState:
+    """"trainer": what the loop decided and logged. Shared: a stop every rank agreed on (no step follows it,
+    and a rerun stops at the same step), one voted but not yet read, the last eval (a resumed run neither
+    repeats it nor reports none at the end), the log's state, the tokenizer the run learnt on. Each rank's:
+    its unlogged metric window and a stop asked on it, not yet voted on."""
+
+    def __init__(self, train_log: Any, window: MetricWindow, vote: Any, run_view: Any, ctx: Any,
+                 tokenizer_digest: str | None):
+        self.train_log, self.window, self.vote, self.run_view, self.ctx = train_log, window, vote, run_view, ctx
+        self.tokenizer_digest = tokenizer_digest
+        self.stopped: dict[str, Any] | None = None  # {"step", "reason"} once every rank agreed to stop early
+        self.last_eval: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        settled = self.vote.settled  # a stop in the vote read at the next boundary: a decision already taken
+        return {"log": self.train_log.state_dict(), "stopped": self.stopped, "last_eval": self.last_eval,
+                "stop_voted": bool(settled and settled[VOTE_FLAGS.index("stop")]),
+                "tokenizer_digest": self.tokenizer_digest}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.train_log.load_state_dict(state.get("log", {}))
+        self.stopped = state.get("stopped")
+        if state.get("stop_voted"):
+            # Of the vote in flight at the save, only the stop outlives that process (its signals and clock do not).
+            self.vote.settled = [float(flag == "stop") for flag in VOTE_FLAGS]
+        self.last_eval = state.get("last_eval", {})
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        return {"window": self.window.state_dict(), "stop_request": self.run_view.stop_reason}
+
+    def load_rank_state(self, saved: RankStates) -> None:
+        windows = [r["window"] for r in saved.ranks if "window" in r]
+        if len(windows) == len(saved.ranks):  # (before per-rank windows a checkpoint held rank 0's one)
+            if saved.same_world:  # each rank's own unlogged sums; on another world size rank 0 takes them all
+                self.window.load_state_dict(windows[self.ctx.rank])
+            elif self.ctx.is_main:
+                self.window.load_state_dict(MetricWindow.merged(windows))
+        # A request not yet agreed on is cast again at the next vote; on another world size by rank 0.
+        requests = [rank.get("stop_request") for rank in saved.ranks]
+        self.run_view.stop_reason = (saved.own.get("stop_request") if saved.same_world
+                                     else next((r for r in requests if r), None) if self.ctx.is_main else None)
+
+
+class StreamState:
+    """"data" of an IterableDataset: each rank's position in its share of the stream. (A map-style dataset's
+    position is the checkpoint's Position: one global order, the same on every rank.)"""
+
+    def __init__(self, position: Any, num_workers: int):
+        self.position, self.num_workers = position, num_workers
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        return {"stream": self.position.state_dict()} if self.position is not None else {}
+
+    def load_rank_state(self, saved: RankStates, path: Any) -> None:
+        saved_stream = saved.ranks[min(saved.rank, len(saved.ranks) - 1)].get("stream")
+        if (saved_stream is None) != (self.position is None):
+            kinds = ("an IterableDataset", "a map-style dataset")
+            saved_kind, this_kind = (kinds[1], kinds[0]) if saved_stream is None else kinds
+            raise UsageError(f"{path} was saved from {saved_kind}; this run's is {this_kind}: start fresh "
+                             "(--no-auto_resume or another --run_dir)")
+        if self.position is not None:
+            self.position.load_state_dict(saved_stream, saved.world_size, self.num_workers)
+
+
+class CallbackState:
+    """"callbacks": each callback's `state_dict`, per rank (a callback may save SAME_AS_RANK_0); and which
+    committed checkpoint they last heard of (not saved: a resumed run's callbacks hold the state of the
+    snapshot, taken before its commit, so they hear of that commit again, as in the run that saved it)."""
+
+    def __init__(self, callbacks: Any, run_view: Any):
+        self.callbacks, self.run_view = callbacks, run_view
+        self.announced = -1
+
+    def announce(self, committed_step: int) -> None:
+        """`on_checkpoint` for `committed_step`, once."""
+        if committed_step > self.announced:
+            self.announced = committed_step
+            self.callbacks.call("on_checkpoint", self.run_view, committed_step)
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        return {"callbacks": self.callbacks.state_dict()} if self.callbacks else {}
+
+    def load_rank_state(self, saved: RankStates) -> None:
+        self.callbacks.load_state_dict(saved.own.get("callbacks", {}), saved.ranks[0].get("callbacks", {}))
+
+
+class RngState:
+    """"rng": this rank's RNG streams (dropout and the like). On another world size they are reseeded from the
+    seed and the step: the data order never reads them, so it stays sample-exact."""
+
+    def __init__(self, device: torch.device, seed: int):
+        self.device, self.seed = device, seed
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        return rng_state(self.device)
+
+    def load_rank_state(self, saved: RankStates, step: int) -> None:
+        if saved.same_world:
+            set_rng_state(saved.ranks[saved.rank], self.device)
+        else:
+            log.warning("world size changed on resume: %d -> %d; data order continues sample-exactly, per-rank "
+                        "RNG streams (dropout) are reseeded", len(saved.ranks), saved.world_size)
+            seed_rank_rngs(mix_seed(self.seed, step), saved.rank)
+
+
+class RunState:
+    """The parts of a run a checkpoint holds, and the position they are at; what the checkpoint manager saves
+    and a resume restores."""
+
+    def __init__(self, position: Position, config: dict[str, Any], model: ModelState, optim: OptimState,
+                 trainer: TrainerState, data: StreamState, callbacks: CallbackState, rng: RngState):
+        self.position, self.config = position, config
+        self.parts = {"model": model, "optim": optim, "trainer": trainer, "data": data, "callbacks": callbacks,
+                      "rng": rng}
+
+    def snapshot(self) -> Snapshot:
+        """The shared state: rank 0 only, or all ranks when sharded (each then gives its shards)."""
+        model, optimizer, shards, trainer = self.parts["model"].saved()
+        for part in self.parts.values():
+            if hasattr(part, "state_dict"):
+                trainer.update(part.state_dict())
+        return Snapshot(Position(**vars(self.position)), model, optimizer, trainer, self.config, shards=shards)
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's state, gathered from every rank at a save."""
+        state: dict[str, Any] = {}
+        for part in self.parts.values():
+            if hasattr(part, "rank_state_dict"):
+                state.update(part.rank_state_dict())
+        return state
+
+    def resume(self, checkpoints: Any, cfg: Any, ctx: Any) -> Loaded | None:
+        """Restore the newest usable checkpoint (or --resume_from), refused if it was trained under other
+        settings (unless --accept_config_change) or on another tokenizer; the checkpoint, or None. All ranks."""
+        model = self.parts["model"]
+        if model.frozen:
+            model.fingerprint()  # now, on every rank (sharded: a collective), not inside a later save
+        if not (cfg.resume_from or cfg.auto_resume):
+            return None
+        loaded = checkpoints.resume(cfg.resume_from, model.checkpointed(model.module.state_dict()),
+                                    continue_line=cfg.auto_resume)
+        if loaded is None:
+            return None
+        changes = setting_changes(loaded.manifest["config"], cfg)
+        saved_digest, digest = loaded.trainer.get("tokenizer_digest"), self.parts["trainer"].tokenizer_digest
+        if saved_digest and digest and saved_digest != digest:  # the same path, retrained: other token ids
+            changes.append(f"tokenizer {cfg.tokenizer}: its files changed (sha256 {saved_digest[:12]} -> "
+                           f"{digest[:12]})")
+        if changes and not cfg.accept_config_change:
+            raise UsageError(changed_settings_error(loaded.path, changes))
+        if changes and ctx.is_main:
+            log.warning("continuing %s with changed training settings (--accept_config_change): %s",
+                        loaded.path, "; ".join(changes))
+        self.restore(loaded, checkpoints.group, ctx.rank, ctx.world_size)
+        return loaded
+
+    def restore(self, loaded: Loaded, group: Any, rank: int, world_size: int) -> None:
+        """Every part's state from `loaded`, then the position. All ranks."""
+        saved, pos = loaded.position, self.position
+        ranks = RankStates(loaded.trainer["rng"], rank, world_size)
+        parts = self.parts
+        parts["model"].load_state_dict(loaded, group)
+        parts["optim"].load_state_dict(loaded.trainer)
+        parts["trainer"].load_state_dict(loaded.trainer)
+        parts["trainer"].load_rank_state(ranks)
+        parts["data"].load_rank_state(ranks, loaded.path)
+        parts["callbacks"].load_rank_state(ranks)
+        parts["rng"].load_rank_state(ranks, saved.step)
+        if saved.global_batch_size != pos.global_batch_size:
+            log.warning("global batch changed on resume: %d -> %d; the data order continues at sample %d of "
+                        "epoch %d, but steps are no longer comparable with the original run",
+                        saved.global_batch_size, pos.global_batch_size, saved.cursor, saved.epoch)
+        pos.step, pos.epoch, pos.cursor = saved.step, saved.epoch, saved.cursor

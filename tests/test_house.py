@@ -1,0 +1,51 @@
+"""The house's limits (docs/development.md "Layout"): the loop's main file stays readable in one sitting and
+no class grows into a bag of state. Read from the source: nothing is run."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "ddptrain"
+MAX_ATTRIBUTES = 30
+MAX_TRAINER_LINES = 400
+
+
+def instance_attributes(cls: ast.ClassDef) -> set[str]:
+    """The names a class's methods assign on `self` (self.x = ..., self.x, self.y = ..., self.x += ...)."""
+    names = set()
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for element in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if (isinstance(element, ast.Attribute) and isinstance(element.value, ast.Name)
+                        and element.value.id == "self"):
+                    names.add(element.attr)
+    return names
+
+
+def test_no_class_holds_more_than_30_attributes():
+    counts = {}
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                counts[f"{path.relative_to(SRC)}:{node.name}"] = len(instance_attributes(node))
+    assert counts["loop/trainer.py:Trainer"] > 10  # the count sees the Trainer's attributes at all
+    too_many = {name: n for name, n in counts.items() if n > MAX_ATTRIBUTES}
+    assert not too_many, f"classes with more than {MAX_ATTRIBUTES} attributes: {too_many}"
+
+
+def test_the_trainer_module_stays_under_400_lines():
+    lines = len((SRC / "loop" / "trainer.py").read_text().splitlines())
+    assert lines <= MAX_TRAINER_LINES, f"loop/trainer.py has {lines} lines; move a component out"
+
+
+def test_the_instance_attribute_count_sees_every_form_of_assignment():
+    tree = ast.parse("class A:\n    def f(self):\n        self.a = 1\n        self.b, self.c = 2, 3\n"
+                     "        self.d: int = 4\n        self.a += 1\n        other.e = 5\n")
+    assert instance_attributes(tree.body[0]) == {"a", "b", "c", "d"}
