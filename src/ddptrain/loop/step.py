@@ -69,16 +69,18 @@ class StepRunner:
     """The numerics of `Trainer.train_step`, over the model, optimizer and scaler it was built with; the
     trainer's watchdog, profiler, clock, metric window and fault injector see each phase."""
 
-    def __init__(self, cfg: Any, ctx: Any, parallel: Any, task: Any, optimizer: torch.optim.Optimizer,
-                 scaler: Any, autocast: Callable[[], Any], services: StepServices):
-        self.accum, self.channels_last = cfg.grad_accum_steps, cfg.channels_last
-        self.grad_clip, self.stop_on_nonfinite = cfg.grad_clip, cfg.on_nonfinite == "stop"
+    def __init__(self, training: Any, performance: Any, ctx: Any, parallel: Any, task: Any,
+                 optimizer: torch.optim.Optimizer, scaler: Any, autocast: Callable[[], Any], services: StepServices):
+        """`training`, `performance`: the config's sections (--grad_accum_steps, --grad_clip, --on_nonfinite;
+        --channels_last, --compile)."""
+        self.accum, self.channels_last = training.grad_accum_steps, performance.channels_last
+        self.grad_clip, self.stop_on_nonfinite = training.grad_clip, training.on_nonfinite == "stop"
         self.ctx, self.parallel, self.task = ctx, parallel, task
         self.optimizer, self.scaler, self.autocast = optimizer, scaler, autocast
         self.params = [p for p in parallel.module.parameters() if p.requires_grad]
         self.watchdog, self.profiler, self.clock = services.watchdog, services.profiler, services.clock
         self.window, self.injector, self.sample_log = services.window, services.injector, services.sample_log
-        self.normaliser = LossNormaliser(task, ctx, cfg.grad_accum_steps)
+        self.normaliser = LossNormaliser(task, ctx, training.grad_accum_steps)
         self.fused = bool(optimizer.defaults.get("fused"))  # an on-device skip (see `run`)
         self._no_yes = tuple(torch.tensor(v, device=ctx.device) for v in (0.0, 1.0))  # float32 flag values
         self.optimizer_stepped = False  # whether the optimizer has state (see `run`)
@@ -86,7 +88,7 @@ class StepRunner:
         # (None until measured, and at --grad_accum_steps 1).
         self.accumulated_grad_bytes: int | None = None
         self._module_started: float | None = None
-        if getattr(parallel, "ddp", None) is not None and not cfg.compile:
+        if getattr(parallel, "ddp", None) is not None and not performance.compile:
             # DDP broadcasts buffers (BatchNorm statistics) before the module runs, which waits for late
             # ranks: the straggler statistic times the module's own forward, from this hook on.
             parallel.module.register_forward_pre_hook(self._module_forward_started)

@@ -47,7 +47,7 @@ from ddptrain.observe.profiler import StepProfiler
 from ddptrain.observe.trackers import Trackers
 from ddptrain.parallel.distributed import DistributedContext, LaggedVote
 from ddptrain.parallel.procenv import FINISHED_MARKER, PREEMPTED_MARKER
-from ddptrain.parallel.strategies import build_parallel
+from ddptrain.parallel.strategies import build_parallel, warn_unsynced_batchnorm
 from ddptrain.parallel.watchdog import Watchdog
 from ddptrain.parts import Parts
 
@@ -76,7 +76,10 @@ class Trainer:
         on = torch.device("meta") if any(p.is_meta for p in module.parameters()) else ctx.device
         flops = (perf.task_flops_per_sample(module, self.task, train_ds, on, self.data.train.collate_fn)
                  if ctx.is_main else 0.0)
-        self.parallel = build_parallel(module, cfg, ctx)  # then its strategy's wrapper
+        warn_unsynced_batchnorm(module, cfg.strategy, cfg.batch_size, ctx)
+        fill = (cfg.seed, hf.pretrained_dir(cfg) if hf.is_hf(cfg.model) else None)  # of a model built on meta
+        self.parallel = build_parallel(module, ctx, cfg.section("parallel"), cfg.section("performance"), cfg.use_amp,
+                                       fill)  # then its strategy's wrapper
         optim = self._build_optimization(parts)
         autocast = make_autocast(cfg.use_amp, cfg.amp_dtype, cfg.strategy, ctx.device)
         # One batch through collate, loss and metrics on every rank: a user's mistake is one line now, not a
@@ -87,7 +90,8 @@ class Trainer:
         self.position = Position(step=0, epoch=0, cursor=0, global_batch_size=layout.global_batch_size,
                                  world_size=ctx.world_size)
         self._build_services(flops, autocast)
-        self.steps = StepRunner(cfg, ctx, self.parallel, self.task, self.optimizer, optim.scaler, autocast,
+        self.steps = StepRunner(cfg.section("training"), cfg.section("performance"), ctx, self.parallel, self.task,
+                                self.optimizer, optim.scaler, autocast,
                                 StepServices(self.watchdog, self.profiler, self.train_log.clock, self.window,
                                              self.injector, self.sample_log))
         self._build_callbacks(parts)

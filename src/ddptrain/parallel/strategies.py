@@ -29,7 +29,7 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddptrain.config import TrainConfig, load_plugin
+from ddptrain.config import load_plugin
 from ddptrain.errors import TrainingError, UsageError
 from ddptrain.models import hf
 from ddptrain.parallel import hostmem, materialize, vocab
@@ -46,18 +46,18 @@ class DataParallel:
     sharded = False
     communicating_phase = "backward+all-reduce"  # the watchdog's name for the last micro-step's backward
 
-    def __init__(self, module: nn.Module, cfg: TrainConfig, ctx: DistributedContext):
+    def __init__(self, module: nn.Module, ctx: DistributedContext, parallel: Any, compile: bool):
         self.module, self.ctx = module, ctx
         self.ddp: DDP | None = None
         self.model: nn.Module = module
         if ctx.world_size > 1:
             device = ctx.device
             self.ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
-                           bucket_cap_mb=cfg.bucket_cap_mb, static_graph=cfg.static_graph,
-                           find_unused_parameters=cfg.find_unused_parameters,
-                           gradient_as_bucket_view=cfg.gradient_as_bucket_view)
+                           bucket_cap_mb=parallel.bucket_cap_mb, static_graph=parallel.static_graph,
+                           find_unused_parameters=parallel.find_unused_parameters,
+                           gradient_as_bucket_view=parallel.gradient_as_bucket_view)
             self.model = self.ddp
-        if cfg.compile:
+        if compile:
             self.model = torch.compile(self.model)
 
     def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
@@ -123,59 +123,60 @@ class ShardedParallel:
     sharded = True
     communicating_phase = "backward+reduce-scatter"
 
-    def __init__(self, module: nn.Module, cfg: TrainConfig, ctx: DistributedContext):
-        self.module, self.ctx, self.name = module, ctx, cfg.strategy
+    def __init__(self, module: nn.Module, ctx: DistributedContext, parallel: Any, compile: bool, use_amp: bool,
+                 fill: tuple[int, Path | None]):
+        self.module, self.ctx, self.name = module, ctx, parallel.strategy
         if ctx.device.type == "cpu" and hostmem.return_freed_blocks():  # before the first unit is gathered
             log.debug("%s on CPU: freed blocks of >= %d bytes go back to the system (glibc mmap threshold)",
-                      cfg.strategy, hostmem.THRESHOLD_BYTES)
-        self.reduce_every_micro_step = cfg.fsdp_reduce_every_micro_step
-        nodes = ctx.world_size // ctx.local_world_size if cfg.strategy == "hsdp" else 1
-        if cfg.strategy == "hsdp" and (ctx.world_size % ctx.local_world_size or nodes < 2):
+                      parallel.strategy, hostmem.THRESHOLD_BYTES)
+        self.reduce_every_micro_step = parallel.fsdp_reduce_every_micro_step
+        nodes = ctx.world_size // ctx.local_world_size if parallel.strategy == "hsdp" else 1
+        if parallel.strategy == "hsdp" and (ctx.world_size % ctx.local_world_size or nodes < 2):
             raise UsageError(f"--strategy hsdp needs several nodes with the same number of ranks each (world "
                              f"size {ctx.world_size}, {ctx.local_world_size} per node); use --strategy fsdp on "
                              "one node")
         shape = (nodes, ctx.world_size // nodes) if nodes > 1 else (ctx.world_size,)
         names = ("replicate", "shard") if nodes > 1 else ("shard",)
         self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
-        policy = precision_policy(cfg)
-        self.cpu_offload = cfg.cpu_offload
-        if cfg.param_dtype == "bf16":
+        policy = precision_policy(parallel, use_amp)
+        self.cpu_offload = parallel.cpu_offload
+        if parallel.param_dtype == "bf16":
             module.to(torch.bfloat16)  # the shards, their gradients and optimizer state: bf16 (meta: filled rounded)
         # Pinned host memory needs an accelerator; on CPU the shards already live on the host.
-        offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+        offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if parallel.cpu_offload else OffloadPolicy()
         # The embedding and head split by vocabulary rows, never gathered (parallel/vocab.py); FSDP2 leaves them.
         # Offloaded shards live on the host from the start (as FSDP2 moves a built model's there).
-        home = torch.device("cpu") if cfg.cpu_offload else ctx.device
-        self.vocabulary = vocab.shard(module, self.mesh, home, policy.param_dtype) if vocab.wanted(cfg) else set()
+        home = torch.device("cpu") if parallel.cpu_offload else ctx.device
+        self.vocabulary = vocab.shard(module, self.mesh, home, policy.param_dtype) if vocab.wanted(parallel) else set()
         shard = functools.partial(fully_shard, mesh=self.mesh, mp_policy=policy, offload_policy=offload,
-                                  reshard_after_forward=cfg.reshard_after_forward,
+                                  reshard_after_forward=parallel.reshard_after_forward,
                                   ignored_params=self.vocabulary or None)
-        blocks = [b for b in fsdp_blocks(module, cfg.fsdp_blocks) if not vocab.only_vocabulary(b, self.vocabulary)]
+        blocks = [b for b in fsdp_blocks(module, parallel.fsdp_blocks) if not vocab.only_vocabulary(b, self.vocabulary)]
         if self.vocabulary:
             log.info("%s: the input embedding and output head split by vocabulary rows over %d ranks, never "
-                     "gathered", cfg.strategy, ctx.world_size)
+                     "gathered", parallel.strategy, ctx.world_size)
         if not blocks and ctx.is_main:
             log.warning("--strategy %s: the model names no blocks (an `fsdp_blocks` attribute or --fsdp_blocks), "
                         "so it is one unit: memory is sharded at rest but gathered whole for every forward",
-                        cfg.strategy)
+                        parallel.strategy)
         for block in blocks:
-            if cfg.compile:  # each unit compiled in place (names unchanged); FSDP2's hooks stay outside its graphs
+            if compile:  # each unit compiled in place (names unchanged); FSDP2's hooks stay outside its graphs
                 block.compile()
             shard(block)
-        shard(module, mp_policy=precision_policy(cfg, root=True))
+        shard(module, mp_policy=precision_policy(parallel, use_amp, root=True))
         if materialize.is_meta(module):  # built on the meta device (models.meta_buildable): each rank fills its shards
-            source = hf.pretrained_dir(cfg) if hf.is_hf(cfg.model) else None
-            materialize.materialize(module, home, cfg.seed, source)
-            log.info("%s: built on the meta device, each rank's shards filled from %s", cfg.strategy,
-                     source or f"the init of seed {cfg.seed}")
+            seed, source = fill
+            materialize.materialize(module, home, seed, source)
+            log.info("%s: built on the meta device, each rank's shards filled from %s", parallel.strategy,
+                     source or f"the init of seed {seed}")
         self.units = len(blocks) + 1
         # --compile: per block, as above (whole-model compile over FSDP2's units is slower); a model without
         # blocks is compiled whole.
-        self.model: nn.Module = torch.compile(module) if cfg.compile and not blocks else module
-        if cfg.compile and blocks:
-            log.info("%s: --compile per block: %d blocks compiled, each before it was sharded", cfg.strategy,
+        self.model: nn.Module = torch.compile(module) if compile and not blocks else module
+        if compile and blocks:
+            log.info("%s: --compile per block: %d blocks compiled, each before it was sharded", parallel.strategy,
                      len(blocks))
-        log.debug("%s over mesh %s: %d units, %d split by vocabulary rows", cfg.strategy, tuple(shape), self.units,
+        log.debug("%s over mesh %s: %d units, %d split by vocabulary rows", parallel.strategy, tuple(shape), self.units,
                   len(self.vocabulary))
 
     def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
@@ -263,8 +264,9 @@ class ShardedParallel:
             _check_replicas(self.module, self.ctx, [r % self.mesh.size(1) for r in range(self.ctx.world_size)])
 
 
-def precision_policy(cfg: TrainConfig, root: bool = False) -> Any:
-    """FSDP2's MixedPrecisionPolicy from --use_amp, --param_dtype and --reduce_dtype, for a block or the `root`.
+def precision_policy(parallel: Any, use_amp: bool, root: bool = False) -> Any:
+    """FSDP2's MixedPrecisionPolicy from --use_amp, --param_dtype and --reduce_dtype (the [parallel] section),
+    for a block or the `root`.
 
     --use_amp computes in bf16 (parameters gathered as bf16) over the fp32 shards; bf16 weights compute in bf16
     anyway. Either way the inputs of each unit are cast to bf16, and the root's output (the model's) back to
@@ -273,18 +275,23 @@ def precision_policy(cfg: TrainConfig, root: bool = False) -> Any:
     GPT's final LayerNorm refused the mix). Gradients are reduced in --reduce_dtype and written to the shards
     in the weights' dtype.
     """
-    reduce = torch.bfloat16 if cfg.reduce_dtype == "bf16" else torch.float32
-    if cfg.use_amp or cfg.param_dtype == "bf16":
+    reduce = torch.bfloat16 if parallel.reduce_dtype == "bf16" else torch.float32
+    if use_amp or parallel.param_dtype == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce,
                                     output_dtype=torch.float32 if root else None)
     return MixedPrecisionPolicy(reduce_dtype=reduce)
 
 
-def build_parallel(module: nn.Module, cfg: TrainConfig, ctx: DistributedContext) -> DataParallel | ShardedParallel:
-    warn_unsynced_batchnorm(module, cfg, ctx)
-    if cfg.activation_checkpointing:
-        recompute_blocks(module, cfg.fsdp_blocks)
-    return DataParallel(module, cfg, ctx) if cfg.strategy == "ddp" else ShardedParallel(module, cfg, ctx)
+def build_parallel(module: nn.Module, ctx: DistributedContext, parallel: Any, performance: Any, use_amp: bool,
+                   fill: tuple[int, Path | None]) -> DataParallel | ShardedParallel:
+    """--strategy's wrapper of `module`, from the [parallel] and [performance] sections (--compile,
+    --activation_checkpointing); `use_amp`: fsdp's compute dtype; `fill`: (seed, save_pretrained directory or
+    None), what a model built on the meta device is filled from."""
+    if performance.activation_checkpointing:
+        recompute_blocks(module, parallel.fsdp_blocks)
+    if parallel.strategy == "ddp":
+        return DataParallel(module, ctx, parallel, performance.compile)
+    return ShardedParallel(module, ctx, parallel, performance.compile, use_amp, fill)
 
 
 def unsynced_batchnorm(module: nn.Module) -> list[str]:
@@ -296,17 +303,17 @@ def unsynced_batchnorm(module: nn.Module) -> list[str]:
             and (sub.training or sub.running_mean is None)]
 
 
-def warn_unsynced_batchnorm(module: nn.Module, cfg: TrainConfig, ctx: DistributedContext) -> None:
+def warn_unsynced_batchnorm(module: nn.Module, strategy: str, batch_size: int, ctx: DistributedContext) -> None:
     """Say once, on rank 0, that BatchNorm breaks what every other part keeps: N processes learn what one
     process learns on the same global batch."""
     layers = unsynced_batchnorm(module)
     if ctx.world_size == 1 or not ctx.is_main or not layers:
         return
-    sync = "--sync_batchnorm (CUDA) shares them, " if cfg.strategy == "ddp" else ""
+    sync = "--sync_batchnorm (CUDA) shares them, " if strategy == "ddp" else ""
     log.warning("the model has %d BatchNorm layers without sync (first: %s): batch statistics are per process "
                 "(batches of %d), so %d processes do not learn exactly what 1 process learns; %s--norm group "
                 "(mini_resnet) or GroupNorm needs none", len(layers), layers[0] or "the model itself",
-                cfg.batch_size, ctx.world_size, sync)
+                batch_size, ctx.world_size, sync)
 
 
 def recompute_blocks(module: nn.Module, spec: str) -> None:
