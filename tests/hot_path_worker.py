@@ -84,9 +84,9 @@ def trace_zero_grad(trainer: Trainer) -> list[tuple[int, int]]:
     zero_grad = trainer.optimizer.zero_grad
 
     def traced(*args: Any, **kwargs: Any) -> None:
-        before = sum(p.grad is not None for p in trainer.steps.params)
+        before = sum(p.grad is not None for p in trainer.stepper.params)
         zero_grad(*args, **kwargs)
-        calls.append((before, sum(p.grad is not None for p in trainer.steps.params)))
+        calls.append((before, sum(p.grad is not None for p in trainer.stepper.params)))
 
     trainer.optimizer.zero_grad = traced
     return calls

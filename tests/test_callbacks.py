@@ -22,7 +22,7 @@ from helpers import (
 
 from ddptrain.config import parse_duration
 from ddptrain.errors import UsageError
-from ddptrain.loop.callbacks import Callbacks, EarlyStopping
+from ddptrain.loop.callbacks import EMA, BestCheckpoint, Callbacks, EarlyStopping, run_callbacks
 
 # 4 epochs of 4 steps (global batch 64 of 256 samples); a checkpoint every 3 steps and at each epoch's end.
 LEDGER = ["--callbacks", "callback_plugins:Ledger", "--epochs", "4", "--save_every_steps", "3", "--keep_last", "0",
@@ -371,3 +371,17 @@ def test_a_best_owed_when_a_worker_died_is_made_best_by_the_restarted_run(tmp_pa
     assert_restarted(proc, tmp_path, from_step=4)
     assert json.loads((tmp_path / "checkpoints" / "best" / "manifest.json").read_text())["step"] == 2
     assert [p.name for p in (tmp_path / "checkpoints").glob("step-*")] == ["step-8"]
+
+
+def test_the_loop_asks_only_the_built_ins_the_flags_added_for_the_average_and_best():
+    """A user's own EMA or BestCheckpoint (fit's callbacks, --callbacks) runs as any callback; the average the
+    loop evaluates, exports and restores, and the best/ it owes, are --ema_decay's and --keep_best's alone."""
+    from ddptrain.config import TrainConfig
+
+    mine = [EMA(0.5, sharded=False), BestCheckpoint("loss", "min")]
+    plain = run_callbacks(TrainConfig().section("eval"), mine, sharded=False)
+    assert plain.items == mine and plain.ema is None and plain.best is None
+    flagged = run_callbacks(TrainConfig(ema_decay=0.9, keep_best="loss").section("eval"), mine, sharded=False)
+    assert flagged.items[:2] == mine and len(flagged.items) == 4
+    assert flagged.ema is flagged.items[2] and flagged.ema.decay == 0.9
+    assert flagged.best is flagged.items[3] and flagged.best is not mine[1]

@@ -232,3 +232,31 @@ def test_sample_ids_of_a_killed_run_cover_every_step_once_its_restart_is_done(tm
     for epoch in (range(1, 9), range(9, 17)):
         ids = sorted(i for step in epoch for part in by_step[step].values() for i in part)
         assert ids == list(range(256)), f"steps {epoch.start}-{epoch.stop - 1} do not cover the epoch once"
+
+
+def test_a_resume_keeps_the_optimizer_settings_it_finds_and_loads_the_checkpoints_state(tmp_path):
+    """The config decides momentum, weight decay, ...: what the optimizer holds when the checkpoint is read
+    wins over what the checkpoint holds, whenever a user's code set it (after the Trainer was built, too)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ddptrain.checkpoints.format import Loaded
+    from ddptrain.loop.checkpointed import ModelState
+
+    module = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    module(torch.ones(1, 3)).sum().backward()
+    optimizer.step()  # momentum buffers: the state a checkpoint carries
+    saved = Loaded(tmp_path, {"config": {"optimizer": "sgd"}}, {k: v.clone() for k, v in module.state_dict().items()},
+                   optimizer.state_dict(), {})
+    momentum = optimizer.state[module.weight]["momentum_buffer"].clone()
+    fresh = torch.nn.Linear(3, 2)
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    part = ModelState(fresh, fresh_optimizer, SimpleNamespace(sharded=False), SimpleNamespace(is_main=True),
+                      lambda: None, "sgd", "linear", 0)
+    fresh_optimizer.param_groups[0]["weight_decay"] = 0.123  # set by a user's code after the part was built
+    part.load(saved, None)
+    assert fresh_optimizer.param_groups[0]["weight_decay"] == 0.123
+    assert torch.equal(fresh.weight, module.weight)
+    assert torch.equal(fresh_optimizer.state[fresh.weight]["momentum_buffer"], momentum)

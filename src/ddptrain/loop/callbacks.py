@@ -3,7 +3,7 @@
 A callback is any object with some of `Callback`'s methods. The Trainer calls `on_train_start`,
 `on_step_end`, `on_eval`, `on_checkpoint` and `on_train_end` on every rank, `on_log` on rank 0; each gets the
 `TrainingRun`, the callback's view of the loop. `state_dict`/`load_state_dict` ride in each rank's part of a
-checkpoint (`CheckpointedState.rank_state`). `TrainingRun.request_stop` travels in the control vote, so every
+checkpoint (the "callbacks" part of `loop.checkpointed.RunState`). `TrainingRun.request_stop` travels in the control vote, so every
 rank stops at the same step. Built on it: `EarlyStopping` (--early_stop_metric), `BestCheckpoint`
 (--keep_best), `EMA` (--ema_decay).
 """
@@ -84,6 +84,10 @@ class Callbacks:
 
     def __init__(self, callbacks: list[Any]):
         self.items = list(callbacks)
+        # The built-ins the flags added (`run_callbacks`), which the loop also asks of: --ema_decay's average
+        # (evaluated, exported, restored with best/) and --keep_best's (the best/ a resumed run still owes).
+        self.ema: EMA | None = None
+        self.best: BestCheckpoint | None = None
         self.names: list[str] = []
         for callback in self.items:
             if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
@@ -99,9 +103,6 @@ class Callbacks:
     def __bool__(self) -> bool:
         return bool(self.items)
 
-    def find(self, kind: type) -> Any:
-        """The first callback of class `kind` (a built-in the flags added), or None."""
-        return next((callback for callback in self.items if isinstance(callback, kind)), None)
 
     def call(self, hook: str, *args: Any) -> None:
         for callback in self.items:
@@ -136,15 +137,13 @@ def load_callbacks(refs: str) -> list[Any]:
 def run_callbacks(settings: Any, given: Any, sharded: bool) -> Callbacks:
     """A run's callbacks, from its [eval] section: `given` (`fit`'s), those --callbacks names, then the
     built-ins the flags ask for: EMA, early stopping, the best checkpoint (in this order)."""
-    callbacks = [*given, *load_callbacks(settings.callbacks)]
-    if settings.ema_decay:
-        callbacks.append(EMA(settings.ema_decay, sharded))
-    if settings.early_stop_metric:
-        callbacks.append(EarlyStopping(settings.early_stop_metric, settings.early_stop_patience,
-                                       settings.early_stop_mode, settings.early_stop_min_delta))
-    if settings.keep_best:
-        callbacks.append(BestCheckpoint(settings.keep_best, settings.keep_best_mode))
-    return Callbacks(callbacks)
+    ema = EMA(settings.ema_decay, sharded) if settings.ema_decay else None
+    stop = (EarlyStopping(settings.early_stop_metric, settings.early_stop_patience, settings.early_stop_mode,
+                          settings.early_stop_min_delta) if settings.early_stop_metric else None)
+    best = BestCheckpoint(settings.keep_best, settings.keep_best_mode) if settings.keep_best else None
+    callbacks = Callbacks([*given, *load_callbacks(settings.callbacks), *(c for c in (ema, stop, best) if c)])
+    callbacks.ema, callbacks.best = ema, best
+    return callbacks
 
 
 class MetricWatch:
@@ -245,7 +244,7 @@ class EMA(Callback):
 
     Its state rides in checkpoints: under ddp the average is the same on every rank, so rank 0's is saved
     and every rank restores it; under fsdp each rank saves its shards. Exported at the end as
-    RUN_DIR/model_ema.safetensors (`Trainer._export_weights`), the model's state dict with the averaged
+    RUN_DIR/model_ema.safetensors (`loop.finish.FinalWeights.export`), the model's state dict with the averaged
     parameters (buffers as trained).
     """
 

@@ -1,8 +1,8 @@
 """What a checkpoint holds of a run: a dict of parts, each saving and restoring its own state.
 
 `RunState` holds the parts and speaks the checkpoint format (`checkpoints.format.Snapshot` / `Loaded`); the
-checkpoint manager asks it for a snapshot at each save. A part keeps either state every rank shares (saved
-once, in trainer.pt) or state of its own rank (gathered from every rank), or both:
+checkpoint manager asks it for a snapshot at each save. A part keeps state every rank shares (saved once, in
+trainer.pt), state of its own rank (gathered from every rank), or both:
 
     part        state shared by the ranks                        state of each rank
     model       weights; the optimizer's state over them         -
@@ -12,10 +12,12 @@ once, in trainer.pt) or state of its own rank (gathered from every rank), or bot
     callbacks   -                                                each callback's state_dict
     rng         -                                                torch / numpy / python RNG streams
 
-Shared state is a dict of keys in trainer.pt (`state_dict` / `load_state_dict`); a rank's state is keys of
-that rank's dict (`rank_state_dict` / `load_rank_state`, which reads a `RankStates`). The keys are those of
-the checkpoints ddptrain has always written: the parts split the dicts, not the format. The parts restore in
-the order of the dict (RNG streams last: nothing restored after them may draw).
+A part's shared state is keys of trainer.pt (`state_dict`), its rank's state keys of that rank's dict
+(`rank_state_dict`); `load(loaded, ranks)` puts both back from a verified checkpoint and every rank's dict
+(`RankStates`). The model part is the one whose state also lies outside trainer.pt (`weights`: the model
+and optimizer files, or the shards). The keys are those of the checkpoints ddptrain has always written: the
+parts split the dicts, not the format. Parts restore in the order of the dict (RNG streams last: nothing
+restored after them may draw).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -48,13 +50,13 @@ _IMPLEMENTATION = ("initial_lr", "foreach", "fused", "capturable", "differentiab
 class RankStates:
     """Every rank's saved dict, as a part restoring its own rank's state reads them."""
 
-    ranks: list[dict[str, Any]]
-    rank: int
-    world_size: int  # this run's
+    ranks: list[dict[str, Any]]  # one per rank of the run that saved
+    rank: int  # this process's, in this run
+    world_size_now: int  # this run's
 
     @property
     def same_world(self) -> bool:
-        return len(self.ranks) == self.world_size
+        return len(self.ranks) == self.world_size_now
 
     @property
     def own(self) -> dict[str, Any]:
@@ -64,16 +66,19 @@ class RankStates:
 
 class ModelState:
     """"model": the weights (less LoRA's frozen base, which the model's source holds) and the optimizer's
-    state over them. One part: under fsdp DCP writes the two as one state dict, and loads them together."""
+    state over them. One part: under fsdp DCP writes the two as one state dict, and loads them together. On
+    resume the config decides the optimizer's hyperparameters (momentum, betas, weight decay, ...): the
+    checkpoint supplies its state only, and a changed value is said once. `group`: the checkpoint manager's
+    group, which sharded loads plan over."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, parallel: Any, ctx: Any,
-                 optimizer_name: str, model_name: str, lora_rank: int):
-        self.module, self.optimizer, self.parallel, self.ctx = module, optimizer, parallel, ctx
+                 group: Callable[[], Any], optimizer_name: str, model_name: str, lora_rank: int):
+        self.module, self.optimizer, self.parallel, self.ctx, self.group = module, optimizer, parallel, ctx, group
         self.optimizer_name, self.model_name, self.lora_rank = optimizer_name, model_name, lora_rank  # for errors
         self.frozen = lora.frozen_names(module) if lora.is_lora(module) else []
         self._fingerprint: list[list[float]] | None = None
 
-    def saved(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
+    def weights(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
         """(model, optimizer, shards, trainer.pt keys): rank 0's whole state dicts, or every rank's shards."""
         extra: dict[str, Any] = {}
         if self.frozen:
@@ -104,17 +109,27 @@ class ModelState:
             self._fingerprint = mine
         return self._fingerprint
 
-    def load_state_dict(self, loaded: Loaded, group: Any) -> None:
+    def load(self, loaded: Loaded, ranks: RankStates) -> None:
         """The checkpoint's weights and optimizer state, refused if they are another optimizer's or trained
-        on other frozen weights. All ranks."""
+        on other frozen weights; then the config's hyperparameters over the checkpoint's. All ranks."""
         saved_optimizer = loaded.manifest["config"].get("optimizer", self.optimizer_name)
         if saved_optimizer != self.optimizer_name:
             raise UsageError(f"--optimizer {self.optimizer_name}: {loaded.path} holds {saved_optimizer} state; "
                              f"resume with --optimizer {saved_optimizer}, or start fresh (--no-auto_resume or "
                              "another --run_dir)")
+        configured = [{k: v for k, v in group.items() if k not in ("params", "lr")}
+                      for group in self.optimizer.param_groups]
         if self.frozen:
             self._check_frozen(loaded)
-        self.load_weights(loaded, group)
+        self.load_weights(loaded)
+        groups = self.optimizer.param_groups  # the checkpoint's, as loading made them
+        for group, wanted in zip(groups, configured):
+            changed = {k: (group.get(k), v) for k, v in wanted.items()
+                       if group.get(k) != v and k not in _IMPLEMENTATION}
+            if changed and self.ctx.is_main and group is groups[0]:
+                log.warning("resume: the config overrides the checkpoint's optimizer settings: %s",
+                            ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+            group.update(wanted)
 
     def _check_frozen(self, loaded: Loaded) -> None:
         """A checkpoint of adapters continues only on the weights it was trained on (rebuilt from the model's
@@ -128,7 +143,7 @@ class ModelState:
                              "gives now (its fingerprint differs); resume with the model it was trained on, or "
                              "start fresh (--no-auto_resume or another --run_dir)")
 
-    def load_weights(self, loaded: Loaded, group: Any) -> None:
+    def load_weights(self, loaded: Loaded) -> None:
         """`loaded`'s model and optimizer state into the model and optimizer, whatever the layouts. All ranks."""
         if loaded.shards is None and not self.parallel.sharded:  # full -> ddp: whole tensors, no DCP
             self.module.load_state_dict(loaded.model, strict=not self.frozen)  # the frozen part: as built
@@ -136,21 +151,17 @@ class ModelState:
         else:
             from ddptrain.checkpoints import shards
 
-            shards.load_into(self.module, self.optimizer, loaded, group, self.frozen)
+            shards.load_into(self.module, self.optimizer, loaded, self.group(), self.frozen)
 
 
 class OptimState:
-    """"optim": the learning-rate schedule and the fp16 loss scaler. The config decides the hyperparameters
-    (momentum, betas, weight decay, ...) and ddptrain's schedule its peak lr: a checkpoint supplies state only,
-    and a changed value is said once. Restored after "model", which loads the optimizer's own state."""
+    """"optim": the learning-rate schedule and the fp16 loss scaler. ddptrain's own schedule takes its peak lr
+    from the config, not the checkpoint."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any, peak_lr: float,
-                 own_schedule: bool, is_main: bool):
+                 own_schedule: bool):
         self.optimizer, self.scheduler, self.scaler, self.peak_lr = optimizer, scheduler, scaler, peak_lr
-        self.own_schedule, self.is_main = own_schedule, is_main
-        # The config's hyperparameters, as built: what every resume puts back over the checkpoint's.
-        self.configured = [{k: v for k, v in group.items() if k not in ("params", "lr")}
-                           for group in optimizer.param_groups]
+        self.own_schedule = own_schedule
 
     def step_schedule(self, first: bool) -> None:
         """The schedule advances with each step. torch warns at a scheduler's first step when the optimizer has
@@ -167,15 +178,8 @@ class OptimState:
         return {"scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        groups = self.optimizer.param_groups
-        for group, wanted in zip(groups, self.configured):
-            changed = {k: (group.get(k), v) for k, v in wanted.items()
-                       if group.get(k) != v and k not in _IMPLEMENTATION}
-            if changed and self.is_main and group is groups[0]:
-                log.warning("resume: the config overrides the checkpoint's optimizer settings: %s",
-                            ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
-            group.update(wanted)
+    def load(self, loaded: Loaded, ranks: RankStates) -> None:
+        state, groups = loaded.trainer, self.optimizer.param_groups
         self.scheduler.load_state_dict(state["scheduler"])
         if self.own_schedule:  # the config decides the peak lr; a user's scheduler restores its own state
             self.scheduler.base_lrs = [self.peak_lr] * len(groups)
@@ -185,7 +189,7 @@ class OptimState:
             self.scaler.load_state_dict(state["scaler"])
 
 
-class TrainerState:
+class LoopState:
     """"trainer": what the loop decided and logged. Shared: a stop every rank agreed on (no step follows it,
     and a rerun stops at the same step), one voted but not yet read, the last eval (a resumed run neither
     repeats it nor reports none at the end), the log's state, the tokenizer the run learnt on. Each rank's:
@@ -204,18 +208,20 @@ class TrainerState:
                 "stop_voted": bool(settled and settled[VOTE_FLAGS.index("stop")]),
                 "tokenizer_digest": self.tokenizer_digest}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load(self, loaded: Loaded, ranks: RankStates) -> None:
+        state = loaded.trainer
         self.train_log.load_state_dict(state.get("log", {}))
         self.stopped = state.get("stopped")
         if state.get("stop_voted"):
             # Of the vote in flight at the save, only the stop outlives that process (its signals and clock do not).
             self.vote.settled = [float(flag == "stop") for flag in VOTE_FLAGS]
         self.last_eval = state.get("last_eval", {})
+        self._load_rank_state(ranks)
 
     def rank_state_dict(self) -> dict[str, Any]:
         return {"window": self.window.state_dict(), "stop_request": self.run_view.stop_reason}
 
-    def load_rank_state(self, saved: RankStates) -> None:
+    def _load_rank_state(self, saved: RankStates) -> None:
         windows = [r["window"] for r in saved.ranks if "window" in r]
         if len(windows) == len(saved.ranks):  # (before per-rank windows a checkpoint held rank 0's one)
             if saved.same_world:  # each rank's own unlogged sums; on another world size rank 0 takes them all
@@ -238,7 +244,8 @@ class StreamState:
     def rank_state_dict(self) -> dict[str, Any]:
         return {"stream": self.position.state_dict()} if self.position is not None else {}
 
-    def load_rank_state(self, saved: RankStates, path: Any) -> None:
+    def load(self, loaded: Loaded, saved: RankStates) -> None:
+        path = loaded.path
         saved_stream = saved.ranks[min(saved.rank, len(saved.ranks) - 1)].get("stream")
         if (saved_stream is None) != (self.position is None):
             kinds = ("an IterableDataset", "a map-style dataset")
@@ -246,7 +253,7 @@ class StreamState:
             raise UsageError(f"{path} was saved from {saved_kind}; this run's is {this_kind}: start fresh "
                              "(--no-auto_resume or another --run_dir)")
         if self.position is not None:
-            self.position.load_state_dict(saved_stream, saved.world_size, self.num_workers)
+            self.position.load_state_dict(saved_stream, saved.world_size_now, self.num_workers)
 
 
 class CallbackState:
@@ -267,7 +274,7 @@ class CallbackState:
     def rank_state_dict(self) -> dict[str, Any]:
         return {"callbacks": self.callbacks.state_dict()} if self.callbacks else {}
 
-    def load_rank_state(self, saved: RankStates) -> None:
+    def load(self, loaded: Loaded, saved: RankStates) -> None:
         self.callbacks.load_state_dict(saved.own.get("callbacks", {}), saved.ranks[0].get("callbacks", {}))
 
 
@@ -281,13 +288,13 @@ class RngState:
     def rank_state_dict(self) -> dict[str, Any]:
         return rng_state(self.device)
 
-    def load_rank_state(self, saved: RankStates, step: int) -> None:
+    def load(self, loaded: Loaded, saved: RankStates) -> None:
         if saved.same_world:
             set_rng_state(saved.ranks[saved.rank], self.device)
         else:
             log.warning("world size changed on resume: %d -> %d; data order continues sample-exactly, per-rank "
-                        "RNG streams (dropout) are reseeded", len(saved.ranks), saved.world_size)
-            seed_rank_rngs(mix_seed(self.seed, step), saved.rank)
+                        "RNG streams (dropout) are reseeded", len(saved.ranks), saved.world_size_now)
+            seed_rank_rngs(mix_seed(self.seed, loaded.position.step), saved.rank)
 
 
 class RunState:
@@ -295,14 +302,14 @@ class RunState:
     and a resume restores."""
 
     def __init__(self, position: Position, config: dict[str, Any], model: ModelState, optim: OptimState,
-                 trainer: TrainerState, data: StreamState, callbacks: CallbackState, rng: RngState):
+                 trainer: LoopState, data: StreamState, callbacks: CallbackState, rng: RngState):
         self.position, self.config = position, config
         self.parts = {"model": model, "optim": optim, "trainer": trainer, "data": data, "callbacks": callbacks,
                       "rng": rng}
 
     def snapshot(self) -> Snapshot:
         """The shared state: rank 0 only, or all ranks when sharded (each then gives its shards)."""
-        model, optimizer, shards, trainer = self.parts["model"].saved()
+        model, optimizer, shards, trainer = self.parts["model"].weights()
         for part in self.parts.values():
             if hasattr(part, "state_dict"):
                 trainer.update(part.state_dict())
@@ -338,21 +345,15 @@ class RunState:
         if changes and ctx.is_main:
             log.warning("continuing %s with changed training settings (--accept_config_change): %s",
                         loaded.path, "; ".join(changes))
-        self.restore(loaded, checkpoints.group, ctx.rank, ctx.world_size)
+        self.restore(loaded, ctx.rank, ctx.world_size)
         return loaded
 
-    def restore(self, loaded: Loaded, group: Any, rank: int, world_size: int) -> None:
-        """Every part's state from `loaded`, then the position. All ranks."""
+    def restore(self, loaded: Loaded, rank: int, world_size: int) -> None:
+        """Every part's state from `loaded`, in the order of the parts, then the position. All ranks."""
         saved, pos = loaded.position, self.position
         ranks = RankStates(loaded.trainer["rng"], rank, world_size)
-        parts = self.parts
-        parts["model"].load_state_dict(loaded, group)
-        parts["optim"].load_state_dict(loaded.trainer)
-        parts["trainer"].load_state_dict(loaded.trainer)
-        parts["trainer"].load_rank_state(ranks)
-        parts["data"].load_rank_state(ranks, loaded.path)
-        parts["callbacks"].load_rank_state(ranks)
-        parts["rng"].load_rank_state(ranks, saved.step)
+        for part in self.parts.values():
+            part.load(loaded, ranks)
         if saved.global_batch_size != pos.global_batch_size:
             log.warning("global batch changed on resume: %d -> %d; the data order continues at sample %d of "
                         "epoch %d, but steps are no longer comparable with the original run",

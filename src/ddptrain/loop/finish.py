@@ -32,7 +32,7 @@ class FinalWeights:
                 log.warning("--load_best_at_end: no evaluation made a best checkpoint; the final weights are the "
                             "last step's (%d)", last_step)
             return
-        self.model.load_weights(loaded, self.checkpoints.group)  # the optimizer's too: only weights are written now
+        self.model.load_weights(loaded)  # the optimizer's too: only weights are written from here
         self.step = loaded.position.step
         about = read_json(loaded.path / BEST_ABOUT) or {}
         if self.ema is not None:

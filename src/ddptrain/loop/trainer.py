@@ -26,9 +26,9 @@ from ddptrain.data.pipeline import BatchLayout, build_datasets, epoch_batches
 from ddptrain.data.streams import stream_batches
 from ddptrain.errors import Preempted
 from ddptrain.faults import FaultInjector
-from ddptrain.loop.callbacks import EMA, BestCheckpoint, TrainingRun, run_callbacks
-from ddptrain.loop.checkpointed import (CallbackState, ModelState, OptimState, RngState, RunState, StreamState,
-                                        TrainerState)
+from ddptrain.loop.callbacks import TrainingRun, run_callbacks
+from ddptrain.loop.checkpointed import (CallbackState, LoopState, ModelState, OptimState, RngState, RunState,
+                                        StreamState)
 from ddptrain.loop.evaluator import Evaluator
 from ddptrain.loop.finish import FinalWeights
 from ddptrain.loop.loaders import build_loaders
@@ -90,20 +90,23 @@ class Trainer:
         self.position = Position(step=0, epoch=0, cursor=0, global_batch_size=layout.global_batch_size,
                                  world_size=ctx.world_size)
         self._build_services(flops, autocast)
-        self.steps = StepRunner(cfg.section("training"), cfg.section("performance"), ctx, self.parallel, self.task,
+        self.stepper = StepRunner(cfg.section("training"), cfg.section("performance"), ctx, self.parallel, self.task,
                                 self.optimizer, optim.scaler, autocast,
                                 StepServices(self.watchdog, self.profiler, self.train_log.clock, self.window,
                                              self.injector, self.sample_log))
         self._build_callbacks(parts)
-        model = ModelState(module, self.optimizer, self.parallel, ctx, cfg.optimizer, cfg.model, cfg.lora_rank)
+        model = ModelState(module, self.optimizer, self.parallel, ctx, lambda: self.checkpoints.group, cfg.optimizer,
+                           cfg.model, cfg.lora_rank)
         # The tokenizer's files, not only its path: a checkpoint continues only on the token ids it learnt.
         digest = hf.tokenizer_digest(Path(cfg.tokenizer)) if cfg.tokenizer else None
-        self.decisions = TrainerState(self.train_log, self.window, self.vote, self.run_view, ctx, digest)
-        self.state = RunState(self.position, cfg.to_dict(), model, optim, self.decisions,
+        self.loop_state = LoopState(self.train_log, self.window, self.vote, self.run_view, ctx, digest)
+        self.state = RunState(self.position, cfg.to_dict(), model, optim, self.loop_state,
                               StreamState(self.data.stream_position, cfg.num_workers),
                               CallbackState(self.callbacks, self.run_view),
                               RngState(ctx.device, cfg.seed))
-        self.final = FinalWeights(cfg, ctx, run_dir, model, self.checkpoints, self.callbacks.find(EMA))
+        self.final = FinalWeights(cfg, ctx, run_dir, model, self.checkpoints, self.callbacks.ema)
+        # --max_time counts from the launch; where no launcher set its time, from here.
+        self.signals = StopSignals(cfg.max_time)
 
     def _build_optimization(self, parts: Parts) -> OptimState:
         """Optimizer, schedule and fp16 scaler, from the [training] section. The linear scaling rule is opt-in:
@@ -124,7 +127,7 @@ class Trainer:
         scheduler = (build_scheduler(training, self.optimizer, lr, self.total_steps)
                      if own_schedule else parts.scheduler(self.optimizer))
         scaler = torch.amp.GradScaler(ctx.device.type) if cfg.use_amp and cfg.amp_dtype == "fp16" else None
-        return OptimState(self.optimizer, scheduler, scaler, lr, own_schedule, ctx.is_main)
+        return OptimState(self.optimizer, scheduler, scaler, lr, own_schedule)
 
     def _build_services(self, flops_per_sample: float, autocast: Any) -> None:
         """What runs beside the steps: checkpoints, watchdog, profiler, stop signals and the control vote, the
@@ -138,7 +141,6 @@ class Trainer:
                                  startup_timeout_s=cfg.init_timeout_s, checkpoint_timeout_s=cfg.checkpoint_timeout_s)
         self.profiler = StepProfiler(cfg.enable_profiling, run_dir, ctx.rank, cfg.profile_wait,
                                      cfg.profile_warmup, cfg.profile_active)
-        self.signals = StopSignals(cfg.max_time)
         self.vote = LaggedVote(ctx, cfg.control_interval)
         self.trackers = Trackers.of_run(cfg, ctx, run_dir, ddptrain.__version__) if ctx.is_main else None
         self.sinks = MetricSinks(run_dir, cfg.tensorboard, self.trackers) if ctx.is_main else None
@@ -177,13 +179,13 @@ class Trainer:
                 self.trackers.close(status)  # after the weights' export: --tracker_log_model sends them
 
     def _fit(self) -> dict[str, Any]:
-        cfg, pos, data, decisions = self.cfg, self.position, self.data, self.decisions
+        cfg, pos, data, loop_state = self.cfg, self.position, self.data, self.loop_state
         started = time.perf_counter()
         with self.signals, self.watchdog, self.profiler, self._outputs_closed_at_exit():
             self._resume()
-            if decisions.stopped is not None:
+            if loop_state.stopped is not None:
                 log.info("run stopped early at step %d (%s) in %s; nothing to train (use another --run_dir, or "
-                         "--no-auto_resume to start over)", pos.step, decisions.stopped["reason"], self.run_dir)
+                         "--no-auto_resume to start over)", pos.step, loop_state.stopped["reason"], self.run_dir)
             elif pos.step >= self.total_steps or pos.epoch >= cfg.epochs:
                 log.info("run already complete at step %d in %s; nothing to train (use another --run_dir, or "
                          "--no-auto_resume to start over)", pos.step, self.run_dir)
@@ -207,7 +209,7 @@ class Trainer:
                 if not self._training() and pos.cursor + global_batch <= data.num_train:
                     break  # --max_steps (or a stop) ended the run mid-epoch
                 # The epoch is complete: evaluate, move the cursor to the next epoch, maybe save.
-                if decisions.last_eval.get("step") != pos.step:
+                if loop_state.last_eval.get("step") != pos.step:
                     self.evaluate()
                 pos.epoch, pos.cursor = pos.epoch + 1, 0
                 if self.checkpoints.schedule.due(pos.step, epoch_end=pos.epoch, best=bool(self.run_view.best_wanted)):
@@ -219,7 +221,7 @@ class Trainer:
             if self.window.steps:
                 self._log_train(bar)
             self.train_log.finish()
-            if decisions.last_eval.get("step") != pos.step:
+            if loop_state.last_eval.get("step") != pos.step:
                 self.evaluate()
             self.vote.drain()  # a preemption flag still in flight is moot: the final save follows
             self.watchdog.phase("replica check")
@@ -235,13 +237,13 @@ class Trainer:
         self.checkpoints.confirm_best()  # after the weights: a best/ that could not be made fails a finished run
         if self.ctx.is_main:  # every rank is past the last collective: a signal from here on finds a complete run
             write_atomic(self.run_dir / FINISHED_MARKER, json.dumps({"step": pos.step, "time": time.time()}).encode())
-        summary = self.train_log.summary(pos, decisions.last_eval, time.perf_counter() - started, self.run_dir)
+        summary = self.train_log.summary(pos, loop_state.last_eval, time.perf_counter() - started, self.run_dir)
         self.callbacks.call("on_train_end", self.run_view, summary)
         return summary
 
     def _training(self) -> bool:
         """Whether another step follows: not at --max_steps (or the epochs' end), no agreed stop."""
-        return self.position.step < self.total_steps and self.decisions.stopped is None
+        return self.position.step < self.total_steps and self.loop_state.stopped is None
 
     def _step(self, batches: Iterator, bar: ProgressBar) -> None:
         """A training step and what follows it at the step boundary: schedule, logging, flags, saves."""
@@ -255,7 +257,7 @@ class Trainer:
         if pos.step == 1 + self._first_step:
             # Tier two: the generous init timeout covered rendezvous and the first step.
             self.ctx.set_collective_timeout(cfg.collective_timeout_s)
-            self.train_log.write_memory(self.steps.memory_held(), pos.step, pos.epoch, cfg.strategy)
+            self.train_log.write_memory(self.stepper.memory_held(), pos.step, pos.epoch, cfg.strategy)
         if pos.step % cfg.log_interval == 0:
             self._log_train(bar)
         self.callbacks.call("on_step_end", self.run_view)  # before the step's eval: it sees the EMA of this step
@@ -265,7 +267,7 @@ class Trainer:
 
     def train_step(self, batches: Iterator) -> None:
         """One optimizer step over `grad_accum_steps` micro-batches (`StepRunner.run`). All ranks."""
-        self.steps.run(batches, self.position.step + 1)  # the number of this step: steps done once it completes
+        self.stepper.run(batches, self.position.step + 1)  # the number of this step: steps done once it completes
 
     def evaluate(self) -> dict[str, Any]:
         """Exact eval of the task's metrics over the eval set (rank 0's buffers). Must be called on all ranks."""
@@ -279,16 +281,16 @@ class Trainer:
             with ema.swapped_in(self.module):
                 averaged = self.evaluator.evaluate(self.module, heartbeat=lambda: self.watchdog.phase("eval"))
             result.update({f"ema_{key}": value for key, value in averaged.items() if key != "samples"})
-        pos, decisions = self.position, self.decisions
+        pos, loop_state = self.position, self.loop_state
         if not result:
-            decisions.last_eval = {"step": pos.step}  # no eval set: nothing to evaluate at this step either
+            loop_state.last_eval = {"step": pos.step}  # no eval set: nothing to evaluate at this step either
             return {}
         self.train_log.write_eval(result, pos.step, pos.epoch)
-        decisions.last_eval = {"step": pos.step, **result}
+        loop_state.last_eval = {"step": pos.step, **result}
         self.callbacks.call("on_eval", self.run_view, result)
         if self.run_view.stop_now:  # a decision on these metrics, the same on every rank: this is the last step
             self._agree_to_stop(pos.step, self.run_view.stop_reason)
-        return decisions.last_eval
+        return loop_state.last_eval
 
     # --- between steps: control flags, saves -----------------------------------------------------
     def _between_steps(self) -> None:
@@ -321,8 +323,8 @@ class Trainer:
     def _agree_to_stop(self, step: int, reason: str) -> None:
         """Record the stop every rank agreed on at this step: no step follows, and every later checkpoint holds
         it, so a run killed or preempted after the decision makes it again at the same step. All ranks."""
-        if self.decisions.stopped is None:
-            self.decisions.stopped = {"step": step, "reason": reason}
+        if self.loop_state.stopped is None:
+            self.loop_state.stopped = {"step": step, "reason": reason}
             log.info("stopping at step %d: %s", step, reason)
 
     def save(self) -> None:
@@ -363,10 +365,10 @@ class Trainer:
                 (self.run_dir / marker).unlink(missing_ok=True)
         loaded = self.state.resume(self.checkpoints, self.cfg, self.ctx)
         if loaded is not None:
-            self.steps.optimizer_stepped = bool(self.optimizer.state)
+            self.stepper.optimizer_stepped = bool(self.optimizer.state)
             self._first_step = self.checkpoints.last_saved_step = self.position.step
         self.checkpoints.start_line(loaded)
-        best = self.callbacks.find(BestCheckpoint)
+        best = self.callbacks.best
         if self.ctx.is_main and best is not None and best.watch.best_step >= 0:
             self.checkpoints.owe_best({"step": best.watch.best_step, **best.about()})
 
