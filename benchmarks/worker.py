@@ -117,7 +117,7 @@ def run_pair(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
     del iterators
     memory = [trainer.parallel.memory(trainer.optimizer) for trainer in trainers]  # rank 0's, state all made
     # The gradients at their fullest in a step, as the memory line states them (Trainer._step).
-    peak_grad = [max(held["grad_bytes"], trainer.steps.accumulated_grad_bytes or 0)
+    peak_grad = [max(held["grad_bytes"], trainer.stepper.accumulated_grad_bytes or 0)
                  for held, trainer in zip(memory, trainers)]
     for trainer in trainers:
         trainer.close()
@@ -145,7 +145,7 @@ def activation_bytes(trainer: Trainer, batches: Any) -> int:
     batch = to_device(batch, trainer.ctx.device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         output, _ = trainer.task.loss(trainer.parallel.model, batch)
-    loss, _, _ = trainer.steps.normaliser.split(output)
+    loss, _, _ = trainer.stepper.normaliser.split(output)
     with trainer.parallel.accumulating(True):
         (loss * 0).backward()  # frees the graph the same way on every rank (DDP's hooks fire)
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -204,7 +204,7 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
         result["sweep"] = all_reduce_sweep(ctx, job["sweep_sizes"], job.get("sweep_iters", 5))
 
     trainer = Trainer(cfg, ctx, run_dir)
-    result["grad_bytes"] = sum(p.numel() * p.element_size() for p in trainer.steps.params)
+    result["grad_bytes"] = sum(p.numel() * p.element_size() for p in trainer.stepper.params)
     result["grad_tensor_bytes"] = list(tensor_bytes_in_backward_order(trainer.module))
     mode = job["mode"]
     counters: dict[str, CommCounter] = {}
