@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TINY, train
+from helpers import TINY, run_cli, train
 
 # (flags, words the one line must hold: the plug-in, the item or key, the fix)
+GPT_SMALL = ["--seq_len", "16", "--num_layers", "1", "--num_heads", "2"]
 BAD_INPUTS = {
     "float64 inputs": (["--dataset", "bad_plugins:float64_images"],
                        ["--dataset bad_plugins:float64_images", "float64 at [0]", "float32", ".float()"]),
@@ -37,6 +38,9 @@ BAD_INPUTS = {
                                           "1", "--num_heads", "2"],
                                          ["--dataset pydoc", "token", "--task classification",
                                           "--task language_model"]),
+    "a token model on images": (["--model", "gpt", *GPT_SMALL],
+                                ["--model gpt", "looks up token ids", "--dataset synthetic",
+                                 "floating-point values at [0]", "--task language_model"]),
     "a stream shorter than its readers": (["--dataset", "bad_plugins:short_stream", "--num_workers", "2"],
                                           ["ShortStream", "2 readers", "1 process(es) x 2 loader worker(s)",
                                            "--batch_size"]),
@@ -65,6 +69,17 @@ def test_a_bad_input_is_one_line_and_exit_2_before_training(tmp_path, capfd, fla
     code = cli.main(["train", *TINY, "--run_dir", str(tmp_path), "--max_steps", "2", *flags])
     line = the_line(code, capfd.readouterr().err)
     assert all(word in line for word in words), (words, line)
+    assert trained_steps(tmp_path) == 0
+
+
+def test_a_token_model_on_images_is_the_same_line_where_fsdp_splits_its_embedding(tmp_path):
+    """Under fsdp the embedding is split by vocabulary rows (parallel/vocab.py), whose lookup refuses float inputs
+    as a whole nn.Embedding does: the same one line, not "a token id outside the embedding's rows"."""
+    proc = run_cli(["train", *TINY, "--nproc", "2", "--strategy", "fsdp", "--model", "gpt", *GPT_SMALL,
+                    "--run_dir", str(tmp_path), "--max_steps", "2"])
+    line = the_line(proc.returncode, proc.stderr)
+    assert "--model gpt looks up token ids" in line and "floating-point values at [0]" in line, line
+    assert "split by vocabulary rows" in (tmp_path / "logs" / "rank-0.log").read_text()  # the split was on
     assert trained_steps(tmp_path) == 0
 
 

@@ -36,6 +36,7 @@ from ddptrain.data.pipeline import SeededSamples
 from ddptrain.errors import TrainingError, UsageError, first_line
 from ddptrain.loop.tasks import Classification, LossSum, PluginTask, Regression
 from ddptrain.models import eval_mode
+from ddptrain.parallel import vocab
 from ddptrain.parallel.distributed import DistributedContext
 from ddptrain.parts import Parts
 
@@ -158,11 +159,20 @@ class _FirstBatch:
                                  "number or a scalar tensor")
 
     def _call(self) -> Any:
-        """`task.loss(module, batch)`; a dtype error of float64 inputs is the dataset's mistake."""
+        """`task.loss(module, batch)`; a dtype error of float64 inputs is the dataset's mistake, floats given to
+        a model that looks up token ids the pairing's."""
         try:
             return self.task.loss(self.module, self.batch)
-        except RuntimeError as exc:
-            wide = _float64_paths(self.batch, "")
+        except (RuntimeError, TypeError) as exc:
+            floats = _paths(self.batch, "", torch.is_floating_point)
+            if floats and ("'indices'" in str(exc) or vocab.NOT_TOKEN_IDS in str(exc)):
+                raise UsageError(f"{self.model_name} looks up token ids (an embedding), but {self.dataset_name} "
+                                 f"gives it floating-point values at {floats[0]}; train it on token data "
+                                 "(--task language_model with a text --dataset), or pick a model for these "
+                                 "inputs") from None
+            if isinstance(exc, TypeError):
+                raise
+            wide = _paths(self.batch, "", lambda tensor: tensor.dtype == torch.float64)
             dtype = next((p.dtype for p in self.module.parameters() if p.is_floating_point()), torch.float32)
             if not wide or dtype == torch.float64 or "double" not in str(exc).lower():
                 raise
@@ -258,14 +268,14 @@ def _difference(first: Any, item: Any, where: str) -> tuple[str, str] | None:
     return next((d for a, b, w in parts if (d := _difference(a, b, w)) is not None), None)
 
 
-def _float64_paths(batch: Any, where: str) -> list[str]:
-    """Where `batch` holds float64 tensors, as [0] or ['x']."""
+def _paths(batch: Any, where: str, wanted: Callable[[torch.Tensor], bool]) -> list[str]:
+    """Where `batch` holds tensors that are `wanted`, as [0] or ['x']."""
     if isinstance(batch, torch.Tensor):
-        return [where or "the batch itself"] if batch.dtype == torch.float64 else []
+        return [where or "the batch itself"] if wanted(batch) else []
     if isinstance(batch, Mapping):
-        return [p for key, value in batch.items() for p in _float64_paths(value, f"{where}[{key!r}]")]
+        return [p for key, value in batch.items() for p in _paths(value, f"{where}[{key!r}]", wanted)]
     if isinstance(batch, (list, tuple)):
-        return [p for i, value in enumerate(batch) for p in _float64_paths(value, f"{where}[{i}]")]
+        return [p for i, value in enumerate(batch) for p in _paths(value, f"{where}[{i}]", wanted)]
     return []
 
 

@@ -40,6 +40,9 @@ from torch.nn import functional as F
 from ddptrain.parallel.materialize import chunk_rows
 
 
+NOT_TOKEN_IDS = "an embedding's token ids must be integers"  # the split lookup's error for float inputs
+
+
 def wanted(cfg: Any) -> bool:
     """Whether cfg asks for the split: --vocab_parallel under fsdp."""
     return cfg.strategy == "fsdp" and cfg.vocab_parallel
@@ -126,6 +129,8 @@ def _local_weight(module: nn.Module, device: torch.device, compute_dtype: torch.
 @torch.compiler.disable  # a model compiled whole: its collectives and autograd Functions run as written
 def _embedding(module: nn.Embedding, mesh: DeviceMesh, start: int, compute_dtype: torch.dtype | None,
                ids: torch.Tensor) -> torch.Tensor:
+    if ids.is_floating_point() or ids.is_complex():  # as a whole lookup refuses them (where() would not)
+        raise TypeError(f"{NOT_TOKEN_IDS}, got {ids.dtype}")
     weight = _local_weight(module, ids.device, compute_dtype)
     # A whole lookup fails on an id outside the vocabulary; split, it would find no rank's row: a zero vector.
     torch._assert_async(((ids >= 0) & (ids < module.weight.shape[0])).all(),
