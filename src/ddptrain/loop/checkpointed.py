@@ -225,7 +225,7 @@ class LoopState:
         windows = [r["window"] for r in saved.ranks if "window" in r]
         if len(windows) == len(saved.ranks):  # (before per-rank windows a checkpoint held rank 0's one)
             if saved.same_world:  # each rank's own unlogged sums; on another world size rank 0 takes them all
-                self.window.load_state_dict(windows[self.ctx.rank])
+                self.window.load_state_dict(windows[saved.rank])
             elif self.ctx.is_main:
                 self.window.load_state_dict(MetricWindow.merged(windows))
         # A request not yet agreed on is cast again at the next vote; on another world size by rank 0.
@@ -290,7 +290,7 @@ class RngState:
 
     def load(self, loaded: Loaded, saved: RankStates) -> None:
         if saved.same_world:
-            set_rng_state(saved.ranks[saved.rank], self.device)
+            set_rng_state(saved.own, self.device)
         else:
             log.warning("world size changed on resume: %d -> %d; data order continues sample-exactly, per-rank "
                         "RNG streams (dropout) are reseeded", len(saved.ranks), saved.world_size_now)
