@@ -276,7 +276,7 @@ def _newest_checkpoint_bytes(cfg: TrainConfig) -> int:
     from ddptrain.checkpoints.format import committed_steps
 
     found = committed_steps(cfg.checkpoint_path)
-    return sum(f.stat().st_size for f in found[0][1].iterdir()) if found else 0
+    return sum(f.stat().st_size for f in found[0][1].rglob("*") if f.is_file()) if found else 0
 
 
 def main(argv: list[str]) -> None:

@@ -154,8 +154,29 @@ def last_committed(run_dir: Path) -> Path:
     return committed_steps(run_dir / "checkpoints")[0][1]
 
 
+def _read(ckpt_dir: Path):
+    from ddptrain.checkpoints.read import read_checkpoint
+
+    return read_checkpoint(ckpt_dir, torch.device("cpu"))
+
+
+def checkpoint_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model weights, whole, read as `ddptrain export` reads them."""
+    from ddptrain.checkpoints.shards import consolidate
+
+    return consolidate(_read(ckpt_dir))
+
+
 def optimizer_state(ckpt_dir: Path) -> dict:
-    return torch.load(ckpt_dir / "optimizer.pt", weights_only=True)
+    """A checkpoint's optimizer state, whole: {"state": {parameter name: {key: tensor}}, "param_groups": [...]}."""
+    from ddptrain.checkpoints.shards import consolidate
+
+    loaded = _read(ckpt_dir)
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for name, value in consolidate(loaded, "optim").items():
+        parameter, key = name.removeprefix("state.").rsplit(".", 1)
+        state.setdefault(parameter, {})[key] = value
+    return {"state": state, "param_groups": loaded.trainer["param_groups"]}
 
 
 def one_line_error(proc: subprocess.CompletedProcess) -> str:

@@ -12,6 +12,7 @@ from helpers import (
     TINY,
     assert_bitwise_equal,
     assert_restarted,
+    checkpoint_weights,
     last_committed,
     metrics,
     one_line_error,
@@ -233,7 +234,7 @@ def test_the_ema_is_the_average_of_the_per_step_weights_computed_by_hand(tmp_pat
     train(tmp_path, "--epochs", "1", "--save_every_steps", "1", "--keep_last", "0", "--ema_decay", "0.9", nproc=2)
     ema = {k: v.clone() for k, v in initial_weights().items()}
     for step in range(1, 5):
-        for name, value in weights(tmp_path / "checkpoints" / f"step-{step}" / "model.safetensors").items():
+        for name, value in checkpoint_weights(tmp_path / "checkpoints" / f"step-{step}").items():
             ema[name] = torch.lerp(ema[name], value, 1.0 - 0.9)
     exported = weights(tmp_path / "model_ema.safetensors")
     assert_bitwise_equal(exported, ema)

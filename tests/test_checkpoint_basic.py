@@ -12,10 +12,12 @@ from pathlib import Path
 import pipeline_runs as runs
 import pytest
 import torch
-from helpers import RunsCode, metrics, one_line_error, plant_hostile, read_jsonl, train, weights
+from helpers import REPO, RunsCode, metrics, one_line_error, plant_hostile, read_jsonl, train, weights
 
 from ddptrain.checkpoints.format import MANIFEST, CheckpointError, committed_steps
 from ddptrain.checkpoints.read import read_checkpoint
+
+COMPAT = REPO / "tests" / "fixtures" / "compat-2026-12-06"  # checkpoints an earlier version wrote (test_compat)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +31,12 @@ def test_checkpoint_of_a_two_process_run_resumes_and_finishes(pair: Path, tmp_pa
     assert sorted(saved) == [steps, 2 * steps], "--save_every 1 commits one checkpoint per epoch"
     manifest = json.loads((saved[steps] / MANIFEST).read_text())
     assert manifest["world_size"] == 2 and manifest["step"] == steps and manifest["epoch"] == 1
-    for name in ("model.safetensors", "optimizer.pt", "trainer.pt"):
-        assert (saved[steps] / name).is_file()
+    # One write path for every strategy (DCP): under ddp each rank holds every tensor, and DCP has each
+    # written once, the ranks sharing the writing.
+    assert sorted(manifest["files"]) == ["shards/.metadata", "shards/__0_0.distcp", "shards/__1_0.distcp",
+                                         "trainer.pt"]
+    assert manifest["layout"] == "sharded"
+    assert all(manifest["files"][f"shards/__{rank}_0.distcp"]["size"] > 1000 for rank in (0, 1))
 
     resumed = tmp_path / "resumed"
     proc = train(resumed, *runs.SHARED, "--batch_size", "16", "--resume_from", str(saved[steps]), nproc=2)
@@ -47,7 +53,11 @@ def test_checkpoint_of_a_two_process_run_resumes_and_finishes(pair: Path, tmp_pa
 
 
 def hostile_copy(pair: Path, tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A copy of a checkpoint with `name` replaced by a pickle that runs code: of the pair's newest, or for
+    optimizer.pt, which only the full layout has, of the ddp checkpoint an earlier version wrote."""
     step, source = committed_steps(pair / "checkpoints")[0]
+    if name == "optimizer.pt":
+        step, source = 3, COMPAT / "ddp" / "step-3"
     checkpoint = tmp_path / "checkpoints" / f"step-{step}"
     shutil.copytree(source, checkpoint)
     sentinel = tmp_path / f"pwned-{name}"
@@ -73,27 +83,27 @@ def test_loader_refuses_a_pickle_that_runs_code(pair: Path, tmp_path: Path, name
 
 
 def test_resume_from_a_hostile_checkpoint_exits_2_without_running_it(pair: Path, tmp_path: Path):
-    checkpoint, sentinel = hostile_copy(pair, tmp_path, "optimizer.pt")
+    checkpoint, sentinel = hostile_copy(pair, tmp_path, "trainer.pt")
     proc = train(tmp_path / "run", *runs.SHARED, "--resume_from", str(checkpoint), check=False,
                  env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
     line = one_line_error(proc)
-    assert "--resume_from" in line and "optimizer.pt refused" in line, line
+    assert "--resume_from" in line and "trainer.pt refused" in line, line
     assert not sentinel.exists(), "the checkpoint's code ran"
     assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
-def test_a_ddp_process_does_not_import_sharded_checkpointing():
-    """torch.distributed.checkpoint (DCP), 0.7 s of CPU after bare torch (docs/performance.md): only sharded runs
-    and sharded checkpoints import it, not the launcher, the forkserver's preload or a ddp trainer."""
+def test_the_launcher_does_not_import_dcp():
+    """torch.distributed.checkpoint (DCP), 0.7 s of CPU after bare torch (docs/performance.md): the trainer, which
+    writes every checkpoint with it, imports it (0.04 s there: torch.optim has imported most of what it needs),
+    the launcher and the tools that read no sharded checkpoint do not."""
     import subprocess
     import sys
 
     from helpers import cli_env
 
-    from ddptrain.parallel.launch import WORKER_PRELOAD
-
     probe = ("import importlib, sys\n"
-             f"for name in {WORKER_PRELOAD[1:]!r} + ['ddptrain.checkpoints.manager', 'ddptrain.parallel.launch']:\n"
+             "for name in ['ddptrain.cli', 'ddptrain.api', 'ddptrain.parallel.launch', 'ddptrain.tools.doctor', "
+             "'ddptrain.checkpoints.read']:\n"
              "    importlib.import_module(name)\n"
              "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=cli_env(), timeout=120)

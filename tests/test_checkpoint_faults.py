@@ -8,9 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import last_committed, metrics, one_line_error, plant_hostile, run_cli, train
+from helpers import REPO, last_committed, metrics, one_line_error, plant_hostile, run_cli, train
 
 SAVES = ["--save_every_steps", "2", "--keep_last", "0", "--epochs", "1"]
+COMPAT = REPO / "tests" / "fixtures" / "compat-2026-12-06"  # checkpoints an earlier version wrote (test_compat)
 
 
 @pytest.fixture
@@ -30,13 +31,13 @@ def rank0_log(run_dir: Path) -> str:
 
 
 def truncate(ckpt: Path) -> str:
-    path = ckpt / "model.safetensors"
+    path = ckpt / "shards" / "__0_0.distcp"
     path.write_bytes(path.read_bytes()[:-100])
     return "truncated"
 
 
 def flip_byte(ckpt: Path) -> str:
-    path = ckpt / "optimizer.pt"
+    path = ckpt / "trainer.pt"
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
@@ -64,7 +65,7 @@ def test_uncommitted_checkpoints_are_ignored_and_replaced(three_checkpoints):
     drop_manifest(run_dir / "checkpoints" / "step-6")           # died before committing step 6
     partial = run_dir / "checkpoints" / "step-8"                 # a leftover from a crash at step 8
     partial.mkdir()
-    (partial / "model.safetensors").write_bytes(b"half a file")
+    (partial / "trainer.pt").write_bytes(b"half a file")
     rerun(run_dir)
     assert f"resuming from {run_dir / 'checkpoints' / 'step-4'} (step 4)" in rank0_log(run_dir)
     assert (partial / "manifest.json").exists(), "the partial step-8 dir was not replaced by a committed one"
@@ -130,7 +131,7 @@ def hostile_run(tmp_path) -> tuple[Path, Path]:
     return run_dir, tmp_path / "pwned"
 
 
-@pytest.mark.parametrize("name", ["optimizer.pt", "trainer.pt"])
+@pytest.mark.parametrize("name", ["trainer.pt"])
 @pytest.mark.parametrize("path", ["auto", "explicit", "export"])
 def test_hostile_pickle_is_refused_on_every_load_path(hostile_run, name, path):
     """Resuming (newest checkpoint or --resume_from) and `ddptrain export` refuse it: exit 2, code never run."""
@@ -149,12 +150,30 @@ def test_hostile_pickle_is_refused_on_every_load_path(hostile_run, name, path):
     assert not out.exists() and not (run_dir / "checkpoints" / "step-4").exists()
 
 
-def test_a_pickle_in_place_of_the_safetensors_file_does_not_parse_and_never_runs(hostile_run):
-    """model.safetensors is never unpickled, whatever it holds: a re-signed pickle there is an unparsable
-    checkpoint (exit 2 from export), not a fallback to torch.load."""
-    run_dir, sentinel = hostile_run
-    checkpoint = run_dir / "checkpoints" / "step-2"
+@pytest.mark.parametrize("name", ["optimizer.pt", "trainer.pt"])
+def test_an_earlier_versions_full_checkpoint_with_a_hostile_pickle_is_refused(tmp_path, name):
+    """The full layout (model.safetensors + optimizer.pt), which ddp runs wrote before the single write path,
+    is still read, and as safely: resuming it and exporting it both refuse the pickle."""
+    checkpoint, sentinel = tmp_path / "checkpoints" / "step-3", tmp_path / "pwned"
+    shutil.copytree(COMPAT / "ddp" / "step-3", checkpoint)
+    plant_hostile(checkpoint, name, sentinel)
+    out = tmp_path / "exported.safetensors"
+    line = one_line_error(run_cli(["export", str(checkpoint), str(out)], env=UNSAFE_DEFAULT))
+    assert f"{name} refused by the safe loader" in line, line
+    proc = run_cli(["train", "--config", str(COMPAT / "job.toml"), "--run_dir", str(tmp_path), "--max_steps", "4",
+                    "--nproc", "1"], env=UNSAFE_DEFAULT)
+    assert f"{name} refused by the safe loader" in one_line_error(proc)
+    assert not sentinel.exists(), "unpickling ran the payload"
+    assert not out.exists() and not (tmp_path / "checkpoints" / "step-4").exists()
+
+
+def test_a_pickle_in_place_of_the_safetensors_file_does_not_parse_and_never_runs(tmp_path):
+    """An earlier full checkpoint's model.safetensors is never unpickled, whatever it holds: a re-signed pickle
+    there is an unparsable checkpoint (exit 2 from export), not a fallback to torch.load."""
+    checkpoint, sentinel = tmp_path / "step-3", tmp_path / "pwned"
+    shutil.copytree(COMPAT / "ddp" / "step-3", checkpoint)
     plant_hostile(checkpoint, "model.safetensors", sentinel)
+    run_dir = tmp_path
     out = run_dir / "exported.safetensors"
     line = one_line_error(run_cli(["export", str(checkpoint), str(out)], env=UNSAFE_DEFAULT))
     assert f"{checkpoint}: unusable checkpoint: model.safetensors does not parse" in line, line
@@ -174,7 +193,8 @@ def test_manifest_describes_the_checkpoint(three_checkpoints):
     for name, entry in manifest["files"].items():
         data = (ckpt / name).read_bytes()
         assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    assert sorted(p.name for p in ckpt.iterdir()) == sorted([*manifest["files"], "manifest.json"])
+    files = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file())
+    assert files == sorted([*manifest["files"], "manifest.json"])
 
 
 def test_retention_keeps_the_newest_and_survives_a_failed_delete(tmp_path, monkeypatch):
@@ -223,7 +243,7 @@ def test_injected_corruption_is_caught_on_resume(tmp_path):
     train(tmp_path, *SAVES, "--max_steps", "6", "--inject_fault", "rank=0,step=6,kind=corrupt-checkpoint")
     rerun(tmp_path, "--inject_fault", "")
     log = rank0_log(tmp_path)
-    assert "model.safetensors fails its sha256 check (corrupted)" in log
+    assert "shards/__0_0.distcp fails its sha256 check (corrupted)" in log
     assert f"resuming from {tmp_path / 'checkpoints' / 'step-4'} (step 4)" in log
 
 

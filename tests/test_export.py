@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import REPO, last_committed, run_python, weights
+from helpers import REPO, checkpoint_weights, last_committed, run_python, weights
 from observed_run import observed_run
 from safetensors import safe_open
 
@@ -55,10 +55,11 @@ def test_export_writes_weights_and_config_that_the_documented_snippet_loads(run,
     code, _, err = export(capsys, str(checkpoint), str(tmp_path / "model.safetensors"))
     assert code == 0, err
     exported = weights(tmp_path / "model.safetensors")
-    loaded = read_checkpoint(checkpoint, torch.device("cpu"))
-    assert exported.keys() == loaded.model.keys()
-    assert all(torch.equal(exported[k], loaded.model[k]) for k in exported)
-    assert json.loads((tmp_path / "model.json").read_text()) == loaded.manifest["config"]
+    saved = checkpoint_weights(checkpoint)
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k], saved[k]) for k in exported)
+    manifest = read_checkpoint(checkpoint, torch.device("cpu")).manifest
+    assert json.loads((tmp_path / "model.json").read_text()) == manifest["config"]
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as fh:
         meta = fh.metadata()
     assert meta["step"] == "12" and meta["model"] == "mini_resnet" and meta["format"] == "ddptrain-export/1"
@@ -88,9 +89,9 @@ def test_export_of_a_run_dir_takes_its_newest_checkpoint(run, tmp_path, capsys):
 def test_export_refuses_corrupted_uncommitted_and_missing_checkpoints(run, tmp_path, capsys):
     bad = tmp_path / "step-12"
     shutil.copytree(last_committed(run.run_dir), bad)
-    blob = bytearray((bad / "model.safetensors").read_bytes())
+    blob = bytearray((bad / "shards" / "__0_0.distcp").read_bytes())
     blob[-1] ^= 0xFF
-    (bad / "model.safetensors").write_bytes(bytes(blob))
+    (bad / "shards" / "__0_0.distcp").write_bytes(bytes(blob))
     line = export_error(capsys, str(bad), str(tmp_path / "out.safetensors"))
     assert "sha256" in line and str(bad) in line
     (bad / "manifest.json").unlink()

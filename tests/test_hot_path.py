@@ -17,7 +17,7 @@ import torch
 from fault_plugins import AugmentedImages
 from helpers import REPO, TINY, cli_env
 
-from ddptrain.checkpoints.format import cpu_copy as _cpu_copy
+from ddptrain.checkpoints.shards import Staging
 from ddptrain.config import resolve_config
 from ddptrain.data.pipeline import SeededSamples, SyntheticImages, make_loader
 from ddptrain.loop.trainer import Trainer, build_optimizer
@@ -129,16 +129,40 @@ def test_batched_fetch_seeds_each_sample_and_restores_the_rngs():
 
 
 def test_async_checkpoint_copy_reuses_its_staging_memory():
-    state = {"model": {"w": torch.randn(4, 3)}, "optimizer": {"state": {0: {"momentum_buffer": torch.randn(4, 3)}},
-                                                              "param_groups": [{"lr": 0.1}]}}
-    first = _cpu_copy(state)
+    staging = Staging()
+    state = {"model": {"w": torch.randn(4, 3)}, "optim": {"state": {"w": {"momentum_buffer": torch.randn(4, 3)}}},
+             "step": 3}
+    first = staging.stage(state)
     assert torch.equal(first["model"]["w"], state["model"]["w"])
     assert first["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()
     state["model"]["w"].add_(1.0)
-    second = _cpu_copy(state, first)
+    second = staging.stage(state)
     assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # written in place
     assert torch.equal(second["model"]["w"], state["model"]["w"])
     state["model"]["w"] = torch.randn(5, 3)  # a changed shape gets fresh memory
-    third = _cpu_copy(state, second)
+    third = staging.stage(state)
     assert third["model"]["w"].shape == (5, 3) and torch.equal(third["model"]["w"], state["model"]["w"])
-    assert third["optimizer"]["param_groups"] == [{"lr": 0.1}]
+    assert third["step"] == 3
+
+
+def test_async_staging_keeps_a_dtensors_layout_and_reuses_its_local_memory(tmp_path):
+    """fsdp's state is DTensors: staged, each keeps its mesh, placements and global shape (what DCP plans the
+    write by), with its local part copied into the memory the previous save used."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        live = DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)])
+        staging = Staging()
+        first = staging.stage({"w": live})["w"]
+        assert isinstance(first, DTensor) and first.placements == live.placements and first.shape == live.shape
+        assert first.device_mesh == mesh and torch.equal(first.to_local(), live.to_local())
+        live.to_local().mul_(2.0)
+        second = staging.stage({"w": live})["w"]
+        assert second.to_local().data_ptr() == first.to_local().data_ptr()
+        assert torch.equal(second.to_local(), live.to_local())
+    finally:
+        dist.destroy_process_group()

@@ -43,7 +43,7 @@ def history(run_dir: Path, max_steps: int) -> None:
 
 
 def corrupt(checkpoint: Path) -> None:
-    target = checkpoint / "model.safetensors"
+    target = checkpoint / "shards" / "__0_0.distcp"
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF
     target.write_bytes(bytes(data))

@@ -16,9 +16,8 @@ A spec is ``key=value`` pairs separated by commas, from ``--inject_fault`` or ``
 
 Steps are numbered like `metrics.jsonl` and `checkpoints/step-N`: step N is the N-th optimizer step.
 
-``at=save`` fires on the rank named: under the full layout rank 0 writes every file, so only rank 0's fires;
-under the sharded layout (fsdp/hsdp) every rank writes its shards, and the fault fires on that rank once
-its shard files are written, inside DCP's collective save. ``at=load`` with ``kind=ioerror`` makes reading
+``at=save`` fires on the rank named: every rank writes its shards, and the fault fires on that rank once its
+shard files are written, inside DCP's collective save. ``at=load`` with ``kind=ioerror`` makes reading
 checkpoint ``step-S`` raise ``OSError(EIO)`` the first ``times`` reads (default 1): a transient I/O error.
 ``at=eval`` fires on the rank named as it starts the evaluation that follows step S.
 
@@ -114,8 +113,8 @@ class FaultInjector:
         return self.spec is not None and self.spec.kind == "nan" and self.spec.step == step
 
     def during_save(self, step: int) -> None:
-        """Called after a checkpoint's data files are written and before its manifest commits: by rank 0 for
-        the full layout, by every rank inside DCP's save for the sharded one."""
+        """Called after a checkpoint's data files are written and before its manifest commits: by every rank
+        inside DCP's save, and by rank 0 before it commits."""
         if self._due(step, "save") and self.spec.kind != "corrupt-checkpoint":
             self._fire(f"checkpoint write of step {step}")
 
@@ -145,12 +144,9 @@ class FaultInjector:
             raise OSError(code, f"injected fault kind=ioerror {what}")
 
     def after_commit(self, step: int, ckpt_dir: Path) -> None:
-        """kind=corrupt-checkpoint: flip one byte in the middle of the committed model file (a sharded
-        checkpoint: of rank 0's shard file)."""
+        """kind=corrupt-checkpoint: flip one byte in the middle of rank 0's committed shard file."""
         if self.spec is not None and self.spec.kind == "corrupt-checkpoint" and self.spec.step == step:
-            target = ckpt_dir / "model.safetensors"
-            if not target.exists():
-                target = ckpt_dir / "shards" / "__0_0.distcp"
+            target = ckpt_dir / "shards" / "__0_0.distcp"
             with open(target, "r+b") as fh:
                 fh.seek(target.stat().st_size // 2)
                 byte = fh.read(1)

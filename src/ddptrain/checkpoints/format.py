@@ -1,20 +1,22 @@
 """Committed checkpoint directories: the files, their manifest, writing, verifying and safe loading.
 
-Layout of one checkpoint, ``checkpoints/step-<N>/``::
+Layout of one checkpoint, ``checkpoints/step-<N>/``, under every strategy::
 
-    model.safetensors   model weights and buffers (safetensors: no code can hide in it)
-    optimizer.pt        optimizer state, loaded with torch.load(weights_only=True)
-    trainer.pt          LR scheduler, GradScaler, each rank's RNG states, metric window and stream position
-    manifest.json       written last: step, epoch, data cursor, world size, config, versions,
-                        sha256 and size of every file. A directory is committed iff it has one.
+    shards/             model and optimizer state, written by DCP (shards.py): each rank writes its part,
+                        a tensor every rank holds whole (ddp's replicas) is written once, by one of them
+    trainer.pt          LR scheduler, GradScaler, the optimizer's param_groups, each rank's RNG states,
+                        metric window and stream position
+    manifest.json       written last, by rank 0 once every rank reported its files written: step, epoch, data
+                        cursor, world size, config, versions, sha256 and size of every file (``"layout":
+                        "sharded"``). A directory is committed iff it has one.
 
-Rank 0 writes every file (DDP keeps model and optimizer identical on all ranks; the other ranks' RNG
-states are gathered to it), so the commit is one rename on one host. All ranks then agree on the outcome
-before anyone moves on: a failure anywhere makes every rank raise the same error (manager.py).
+All ranks then agree on the outcome before anyone moves on: a failure anywhere makes every rank raise the same
+error (manager.py).
 
-Under --strategy fsdp/hsdp no rank holds the whole model: model and optimizer state are `shards/` (DCP,
-each rank writing its own, see shards.py) instead of model.safetensors and optimizer.pt; the manifest says
-``"layout": "sharded"`` and lists every shard file's digest, and is written only after every rank reported.
+A ddp run's checkpoints written before the single write path (issue 38) have the full layout instead of
+shards/: ``model.safetensors`` (safetensors: no code can hide in it) and ``optimizer.pt`` (read with
+torch.load(weights_only=True)), both written by rank 0 (manifest ``"layout": "full"``, or none). They are
+still read (read.py) under any strategy, and exported.
 """
 
 from __future__ import annotations
@@ -70,15 +72,13 @@ class Position:
 
 @dataclass
 class Snapshot:
-    """Everything a checkpoint holds, as produced by the trainer (tensors may still be live)."""
+    """Everything a checkpoint holds, as one rank produced it (tensors may still be live)."""
 
     position: Position
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
+    shards: dict[str, Any]  # this rank's model and optimizer state, as DCP writes it (shards.py)
     trainer: dict[str, Any]  # scheduler, scaler, log window; "rng" (list by rank) is added here
     config: dict[str, Any]
     origin: str = ""  # see CheckpointManager.origin
-    shards: dict[str, Any] | None = None  # sharded layout: this rank's part of model and optimizer (shards.py)
 
 
 class MappedWeights(Mapping):
@@ -114,8 +114,9 @@ class MappedWeights(Mapping):
 
 @dataclass
 class Loaded:
-    """A verified checkpoint: whole `model` and `optimizer` state dicts, or (sharded layout) `shards`, the
-    DCP metadata that `shards.load_into` reads the tensors through, onto whatever layout the run has."""
+    """A verified checkpoint: `shards`, the DCP metadata that `shards.load_into` reads the tensors through onto
+    whatever layout the run has, or (an earlier version's full layout) whole `model` and `optimizer` state
+    dicts."""
 
     path: Path
     manifest: dict[str, Any]
@@ -163,26 +164,6 @@ def _torch_bytes(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
-
-
-def cpu_copy(obj: Any, reuse: Any = None) -> Any:
-    """A deep copy with every tensor detached onto the CPU (for async saves: training mutates the originals).
-
-    Tensors of `reuse` (an earlier copy of the same structure, no longer read) that match in shape and dtype
-    are copied into instead of allocated: touching fresh memory costs several times the copy itself.
-    """
-    if isinstance(obj, torch.Tensor):
-        if (isinstance(reuse, torch.Tensor) and reuse.device.type == "cpu" and reuse.shape == obj.shape
-                and reuse.dtype == obj.dtype):
-            return reuse.copy_(obj.detach())
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        old = reuse if isinstance(reuse, dict) else {}
-        return {k: cpu_copy(v, old.get(k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
-        return type(obj)(cpu_copy(v, r) for v, r in zip(obj, old))
-    return obj
 
 
 def safetensors_bytes(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
@@ -273,25 +254,8 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "python": platform.python_version(), "ddptrain": ddptrain.__version__}
 
 
-def write_checkpoint(directory: Path, snap: Snapshot, injector: FaultInjector | None = None) -> Path:
-    """Write and commit `snap` as directory/step-N. Rank 0 only. Raises on any failure, leaving no manifest."""
-    step = snap.position.step
-    target = prepare_step_dir(directory, step)
-    payloads = {
-        "model.safetensors": safetensors_bytes(snap.model, metadata={"step": str(step)}),
-        "optimizer.pt": _torch_bytes(snap.optimizer),
-        "trainer.pt": _torch_bytes(snap.trainer),
-    }
-    files = {}
-    for name, data in payloads.items():
-        write_atomic(target / name, data)
-        files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    commit(directory, snap, files, injector)
-    return target
-
-
 def commit(directory: Path, snap: Snapshot, files: dict[str, dict[str, Any]],
-           injector: FaultInjector | None = None, layout: str = "full") -> None:
+           injector: FaultInjector | None = None) -> None:
     """Write step-N's manifest (the commit) once every file in `files` (name -> sha256, size) is on disk."""
     step, pos = snap.position.step, snap.position
     target = directory / f"step-{step}"
@@ -301,7 +265,7 @@ def commit(directory: Path, snap: Snapshot, files: dict[str, dict[str, Any]],
         "format": FORMAT, "step": step, "epoch": pos.epoch, "cursor": pos.cursor,
         "global_batch_size": pos.global_batch_size, "world_size": pos.world_size,
         "created": time.time(), "versions": versions(), "config": snap.config, "files": files,
-        "origin": snap.origin, "layout": layout,
+        "origin": snap.origin, "layout": "sharded",
     }
     write_atomic(target / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     _fsync_dir(target)

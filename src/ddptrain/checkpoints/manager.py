@@ -1,7 +1,7 @@
 """The checkpoint manager: every rank agrees on each save's outcome, one save in flight (async writer),
 retention of the run's own line, and which checkpoint a run resumes from.
 
-Methods marked "all ranks" are collective. The files themselves are format.py's.
+Methods marked "all ranks" are collective. The files themselves are format.py's, the shards shards.py's.
 """
 
 from __future__ import annotations
@@ -30,15 +30,14 @@ from ddptrain.checkpoints.format import (
     _torch_bytes,
     commit,
     committed_steps,
-    cpu_copy,
     file_digest,
     keep_as_best,
     manifest_step,
     prepare_step_dir,
     read_origin,
     write_atomic,
-    write_checkpoint,
 )
+from ddptrain.checkpoints import shards
 from ddptrain.checkpoints.read import read_checkpoint
 from ddptrain.errors import TrainingError, UsageError
 from ddptrain.faults import FaultInjector
@@ -82,8 +81,9 @@ class SaveSchedule:
 
 
 class RunParts(Protocol):
-    """What a checkpoint is taken of (`loop.checkpointed.RunState`): a position, the state every rank shares
-    (`snapshot`, in the checkpoint format) and this rank's own (`rank_state`, gathered from every rank)."""
+    """What a checkpoint is taken of (`loop.checkpointed.RunState`): a position, the state in the checkpoint
+    format (`snapshot`: every rank's shards, and the state every rank shares, rank 0's written) and this rank's
+    own (`rank_state`, gathered from every rank)."""
 
     position: Position
 
@@ -96,15 +96,18 @@ class CheckpointManager:
     """Saves and resumes through committed directories. Methods marked 'all ranks' are collective."""
 
     def __init__(self, ctx: DistributedContext, directory: Path, keep_last: int, async_save: bool,
-                 timeout_s: float, injector: FaultInjector | None = None, sharded: bool = False,
+                 timeout_s: float, injector: FaultInjector | None = None, mapped_reads: bool = False,
                  schedule: SaveSchedule | None = None):
+        """`mapped_reads`: a full checkpoint (an earlier version's) is read mapped, each rank reading the rows
+        it needs (a sharded run); else whole."""
         self.schedule = schedule or SaveSchedule()
         self.ctx, self.directory, self.keep_last, self.timeout_s = ctx, directory, keep_last, timeout_s
-        self.async_save, self.injector, self.sharded = async_save, injector, sharded
+        self.async_save, self.injector, self.mapped_reads = async_save, injector, mapped_reads
         self._group: dist.ProcessGroup | None = None
         self._thread: threading.Thread | None = None
         self._async_error: str | None = None
-        self._staging: Any = None  # the last async save's CPU copy: its memory is reused by the next one
+        # An async save's CPU copy: its memory is reused by the next one.
+        self._staging = shards.Staging() if async_save else None
         self._in_flight: int | None = None  # the step of an async save not yet agreed on by `wait`
         self.last_saved_step = -1  # the newest step whose checkpoint every rank agreed committed
         # Rank 0: the committed checkpoint that should be best/ but could not be made so yet. Retention keeps
@@ -114,44 +117,46 @@ class CheckpointManager:
         self.origin = ""  # the --resume_from checkpoint that started this run's line, recorded in manifests
 
     def save(self, state: RunParts, best: dict[str, Any] | None = None) -> None:
-        """Checkpoint `state` at its position: gather every rank's own state, write and commit (rank 0, or each
-        rank its shards), agree on the outcome. All ranks.
+        """Checkpoint `state` at its position: every rank writes its shards (DCP), rank 0 trainer.pt and the
+        manifest once every rank reported its files written; every rank agrees on the outcome. All ranks.
 
         `best`: once committed, the checkpoint also becomes DIRECTORY/best (before retention runs), with this
-        dict as best/best.json.
-        `state.snapshot()` runs on rank 0 only, or on every rank when sharded. With async saves the state is
-        copied to the CPU here, on the training thread, and written by a background thread; the next save (or
-        `wait`) reports its fate.
-        """
-        self._save(Position(**vars(state.position)), state.snapshot, state.rank_state(), best)
-        self.schedule.start_clock()  # --save_every_minutes count from the end of a save
+        dict as best/best.json. With async saves the state is copied to the CPU here, on the training thread,
+        and written and committed by a background thread; the next save (or `wait`) reports its fate.
 
-    def _save(self, position: Position, make_snapshot: Callable[[], Snapshot], rng_state: dict[str, Any],
-              best: dict[str, Any] | None) -> None:
+        Every rank's snapshot is agreed on before DCP's first collective: a rank that fails before it would
+        leave its peers waiting inside DCP for the whole checkpoint limit, with the cause in no log.
+        """
         self.wait()  # one save in flight at most; also surfaces a failed background write
-        if self.sharded:
-            return self._save_sharded(position, make_snapshot, self.ctx.all_gather_object(rng_state), best)
-        # Every rank's part of a full checkpoint is its own state: gathered with any failure to take it, so
-        # that rank 0 writes nothing unless every rank got this far.
-        gathered = self.ctx.all_gather_object((rng_state, self._snapshot_error(position.step)))
-        self._agree_on([error for _, error in gathered], position.step)
-        error = None
-        if self.ctx.is_main:
-            try:
-                snap = make_snapshot()
-                snap.trainer = {**snap.trainer, "rng": [rng for rng, _ in gathered]}
+        started = time.perf_counter()
+        rank_states = self.ctx.all_gather_object(state.rank_state())
+        step = state.position.step
+        error, snap = self._snapshot_error(step), None
+        try:
+            if self.ctx.is_main:
+                prepare_step_dir(self.directory, step)
+            if error is None:
+                snap = state.snapshot()  # this rank's shards: no collective
+                snap.trainer = {**snap.trainer, "rng": rank_states}
                 snap.origin = self.origin
-                if self.async_save:
-                    # wait() above joined the previous writer, so its staging copy is free to overwrite.
-                    self._staging = cpu_copy((snap.model, snap.optimizer, snap.trainer), self._staging)
-                    snap = Snapshot(snap.position, *self._staging, snap.config, snap.origin)
-                    self._in_background(lambda: self._write_and_retain(snap, best), "ddptrain-checkpoint-writer")
-                else:
-                    error = self._write_and_retain(snap, best)
-            except Exception as exc:  # a failure before writing: still every rank's error
-                error = f"{type(exc).__name__}: {exc}"
-        self._agree(error, position.step)
-        self._saved(position.step)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        self._agree(error, step)  # also: nobody writes into a directory rank 0 is still clearing
+        target = self.directory / f"step-{step}"
+        written = None
+        try:
+            written = shards.save(target, snap.shards, self.group, self._staging,
+                                  written=lambda: self.injector.during_save(step) if self.injector else None)
+        except shards.SAVE_ERRORS as exc:  # DCP's collective save raises on every rank when one rank's write failed
+            error = shards.failure(exc, self.ctx.rank)
+        if written is not None and self.async_save:
+            self._in_background(lambda: self._commit_shards(written, snap, target, best, started),
+                                "ddptrain-checkpoint-commit")
+        elif written is not None:
+            error = self._commit_shards(written, snap, target, best, started)
+        self._agree(error, step)
+        self._saved(step)
+        self.schedule.start_clock()  # --save_every_minutes count from the end of a save
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -161,49 +166,11 @@ class CheckpointManager:
             self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
         return self._group
 
-    def _save_sharded(self, position: Position, make_snapshot: Callable[[], Snapshot], rng: list[Any],
-                      best: dict[str, Any] | None) -> None:
-        """Every rank writes its shards (DCP); rank 0 commits once all reported theirs written. All ranks.
-
-        Every rank's snapshot is agreed on before DCP's first collective: a rank that fails before it would
-        leave its peers waiting inside DCP for the whole checkpoint limit, with the cause in no log.
-        """
-        from ddptrain.checkpoints import shards  # DCP: imported by sharded runs only (its cost: performance.md)
-
-        step = position.step
-        error, snap = self._snapshot_error(step), None
-        try:
-            if self.ctx.is_main:
-                prepare_step_dir(self.directory, step)
-            if error is None:
-                snap = make_snapshot()  # this rank's shards: no collective
-                snap.trainer = {**snap.trainer, "rng": rng}
-                snap.origin = self.origin
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        self._agree(error, step)  # also: nobody writes into a directory rank 0 is still clearing
-        target = self.directory / f"step-{step}"
-        written = None
-        try:
-            written = shards.save(target, snap.shards, self.group, self.async_save,
-                                  written=lambda: self.injector.during_save(step) if self.injector else None)
-        except shards.SAVE_ERRORS as exc:  # DCP's collective save raises on every rank when one rank's write failed
-            error = shards.failure(exc, self.ctx.rank)
-        if written is not None and self.async_save:
-            self._in_background(lambda: self._commit_shards(written, snap, target, best),
-                                "ddptrain-checkpoint-commit")
-        elif written is not None:
-            error = self._commit_shards(written, snap, target, best)
-        self._agree(error, step)
-        self._saved(step)
-
-    def _commit_shards(self, written: Any, snap: Snapshot, target: Path, best: dict[str, Any] | None) -> str | None:
+    def _commit_shards(self, written: Any, snap: Snapshot, target: Path, best: dict[str, Any] | None,
+                       started: float) -> str | None:
         """Each rank hashes its own files once written and reports to rank 0, which writes trainer.pt and the
         manifest only if every rank succeeded. All ranks; returns this rank's own failure, or None (rank 0:
-        also when a peer failed, which that peer reports)."""
-        from ddptrain.checkpoints import shards
-
-        started = time.perf_counter()
+        also when a peer failed, which that peer reports). `started`: when the save began, for the log."""
         try:
             written.result()
             report: Any = shards.own_files(target, self.ctx.rank)
@@ -225,13 +192,12 @@ class CheckpointManager:
             files = {name: digest for report in reports for name, digest in report.items()}
             write_atomic(target / "trainer.pt", _torch_bytes(snap.trainer))
             files["trainer.pt"] = file_digest(target / "trainer.pt")
-            commit(self.directory, snap, files, self.injector, layout="sharded")
+            commit(self.directory, snap, files, self.injector)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             log.error("checkpoint of step %d not committed: %s", snap.position.step, message)
             return message
-        log.info("checkpoint committed: %s (%d shard files, %.2f s)", target, len(files) - 1,
-                 time.perf_counter() - started)
+        log.info("checkpoint committed: %s (%.2f s)", target, time.perf_counter() - started)
         self._retain(target, best)
         return None
 
@@ -301,19 +267,6 @@ class CheckpointManager:
         failed = [f"rank {rank} ({self.ctx.hosts[rank]}): {why}" for rank, why in (causes or failed)]
         if failed:
             raise TrainingError(f"checkpoint of step {step} failed on {'; '.join(failed)}")
-
-    def _write_and_retain(self, snap: Snapshot, best: dict[str, Any] | None) -> str | None:
-        """Rank 0: write, commit, purge. Returns the failure as one line, or None."""
-        started = time.perf_counter()
-        try:
-            path = write_checkpoint(self.directory, snap, self.injector)
-        except Exception as exc:
-            message = f"{type(exc).__name__}: {exc}"
-            log.error("checkpoint of step %d not committed: %s", snap.position.step, message)
-            return message
-        log.info("checkpoint committed: %s (%.2f s)", path, time.perf_counter() - started)
-        self._retain(path, best)
-        return None
 
     def _retain(self, committed: Path, best: dict[str, Any] | None) -> None:
         """Rank 0, after a commit: best/ (this checkpoint if `best`, else one still owed), then retention."""
@@ -497,7 +450,7 @@ class CheckpointManager:
                     match = STEP_DIR.match(path.name)
                     self.injector.at_load(int(match.group(1)) if match else -1)
                 loaded = read_checkpoint(path, self.ctx.device, share=(self.ctx.rank, self.ctx.world_size),
-                                         mapped=self.sharded)
+                                         mapped=self.mapped_reads)
                 _check_fits(loaded.weight_shapes(), model_state)
             except CheckpointError as exc:
                 outcome = ("bad", str(exc))

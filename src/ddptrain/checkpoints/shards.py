@@ -1,12 +1,13 @@
-"""Sharded checkpoints (--strategy fsdp/hsdp): model and optimizer state written by every rank with
+"""The one write path of checkpoints, every strategy's: model and optimizer state written by every rank with
 torch.distributed.checkpoint (DCP) into ``step-N/shards/``, read back onto any number of ranks under any
 strategy.
 
-Layout of a sharded ``checkpoints/step-<N>/``::
+Layout of ``checkpoints/step-<N>/``::
 
     shards/.metadata       DCP's index: which byte ranges of which file hold which slice of which tensor
-    shards/__R_I.distcp    the tensor slices rank R wrote (model under ``model.``, optimizer ``optim.state.``)
-    trainer.pt             as in a full checkpoint, plus the optimizer's param_groups (no tensors)
+    shards/__R_I.distcp    the tensor slices rank R wrote (model under ``model.``, optimizer ``optim.state.``);
+                           under ddp every rank holds every tensor whole, and DCP has each written by one rank
+    trainer.pt             the run's other state (format.py), with the optimizer's param_groups (no tensors)
     manifest.json          written by rank 0 last, after every rank reported its files written and hashed
 
 Only tensors go into the shards. DCP's index is a pickle, so nothing in it is unpickled before its digest
@@ -258,11 +259,15 @@ def state_to_save(module: nn.Module, optimizer: torch.optim.Optimizer,
 
 class _Writer(FileSystemWriter):
     """DCP's file writer, with a hook run once this rank's shard files are written and before DCP gathers
-    every rank's results (where the fault injector's `at=save` fires on each rank)."""
+    every rank's results (where the fault injector's `at=save` fires on each rank), and an async save's copy
+    staged in the manager's reused memory (`Staging`)."""
 
-    def __init__(self, path: Path, written: Callable[[], None] | None):
+    def __init__(self, path: Path, written: Callable[[], None] | None, staging: "Staging | None" = None):
         super().__init__(path, single_file_per_rank=True, sync_files=True)
-        self._written = written
+        self._written, self._staging = written, staging
+
+    def stage(self, state_dict: Any) -> Any:
+        return self._staging.stage(state_dict)
 
     def write_data(self, plan: Any, planner: Any) -> Future:
         results = super().write_data(plan, planner)
@@ -272,20 +277,54 @@ class _Writer(FileSystemWriter):
         return results
 
 
-def save(target: Path, state: dict[str, Any], group: dist.ProcessGroup | None, async_save: bool,
+def save(target: Path, state: dict[str, Any], group: dist.ProcessGroup | None, staging: "Staging | None",
          written: Callable[[], None] | None = None) -> Future:
     """Write this rank's shards of `state` into target/shards. All ranks (DCP plans the save collectively).
 
-    The future completes when this rank's files are written (and, on rank 0, the index); `async_save` copies
-    the state to CPU memory now and writes in a background thread. `written` runs on this rank once its own
-    shard files are written, inside DCP's save.
+    The future completes when this rank's files are written (and, on rank 0, the index). With `staging` (an
+    async save) the state is copied into its CPU memory now and written in a background thread. `written` runs
+    on this rank once its own shard files are written, inside DCP's save.
     """
-    writer = _Writer(target / SHARDS, written)
-    if async_save:
+    writer = _Writer(target / SHARDS, written, staging)
+    if staging is not None:
         return dcp.async_save(state, storage_writer=writer, process_group=group)
     done: Future = Future()
     done.set_result(dcp.save(state, storage_writer=writer, process_group=group))
     return done
+
+
+class Staging:
+    """An async save's copy of the state in CPU memory, which the next save copies into where its tensors match
+    (touching fresh memory costs several times the copy itself): one per checkpoint manager, and only one save
+    in flight reads it."""
+
+    def __init__(self) -> None:
+        self.copy: Any = None
+
+    def stage(self, state: Any) -> Any:
+        self.copy = _cpu_copy(state, self.copy)
+        return self.copy
+
+
+def _cpu_copy(obj: Any, reuse: Any) -> Any:
+    """`obj` with every tensor detached into CPU memory, `reuse`'s tensor of the same place where it matches in
+    shape and dtype; a DTensor keeps its layout (its local part copied)."""
+    if isinstance(obj, DTensor):
+        local = _cpu_copy(obj.to_local(), reuse.to_local() if isinstance(reuse, DTensor) else None)
+        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                  stride=obj.stride())
+    if isinstance(obj, torch.Tensor):
+        if (isinstance(reuse, torch.Tensor) and not isinstance(reuse, DTensor) and reuse.device.type == "cpu"
+                and reuse.shape == obj.shape and reuse.dtype == obj.dtype):
+            return reuse.copy_(obj.detach())
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        old = reuse if isinstance(reuse, dict) else {}
+        return {k: _cpu_copy(v, old.get(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        old = reuse if isinstance(reuse, (list, tuple)) and len(reuse) == len(obj) else [None] * len(obj)
+        return type(obj)(_cpu_copy(v, r) for v, r in zip(obj, old))
+    return obj
 
 
 def own_files(target: Path, rank: int) -> dict[str, dict[str, Any]]:
@@ -360,17 +399,20 @@ def _shard_like(param: torch.Tensor, value: Any) -> Any:
     return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
 
-def consolidate(loaded: Loaded) -> dict[str, torch.Tensor]:
-    """The whole model of a sharded checkpoint, in this one process (for `ddptrain export`)."""
-    model = {name: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for name, meta in ((k[len("model."):], v) for k, v in loaded.shards.state_dict_metadata.items()
-                                if k.startswith("model."))
-             if isinstance(meta, TensorStorageMetadata)}
+def consolidate(loaded: Loaded, part: str = "model") -> dict[str, torch.Tensor]:
+    """The whole of one part of a sharded checkpoint, in this one process (for `ddptrain export`): "model" (name
+    -> tensor), or "optim" (``state.<parameter name>.<key>`` -> tensor, {} before the first update)."""
+    prefix = f"{part}."
+    tensors = {name[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+               for name, meta in loaded.shards.state_dict_metadata.items()
+               if name.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    if not tensors:
+        return {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process is the intent
-        dcp.load({"model": model}, storage_reader=_VerifiedReader(loaded.path / SHARDS, loaded.shards),
+        dcp.load({part: tensors}, storage_reader=_VerifiedReader(loaded.path / SHARDS, loaded.shards),
                  planner=_TensorsOnlyPlanner(), no_dist=True)
-    return model
+    return tensors
 
 
 def failure(exc: BaseException, rank: int) -> str:

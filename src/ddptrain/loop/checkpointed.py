@@ -14,8 +14,8 @@ trainer.pt), state of its own rank (gathered from every rank), or both:
 
 A part's shared state is keys of trainer.pt (`state_dict`), its rank's state keys of that rank's dict
 (`rank_state_dict`); `load(loaded, ranks)` puts both back from a verified checkpoint and every rank's dict
-(`RankStates`). The model part is the one whose state also lies outside trainer.pt (`weights`: the model
-and optimizer files, or the shards). The keys are those of the checkpoints ddptrain has always written: the
+(`RankStates`). The model part is the one whose state also lies outside trainer.pt (`weights`: the shards,
+which DCP writes under every strategy). The keys are those of the checkpoints ddptrain has always written: the
 parts split the dicts, not the format. Parts restore in the order of the dict (RNG streams last: nothing
 restored after them may draw).
 """
@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ddptrain.checkpoints import shards
 from ddptrain.checkpoints.format import Loaded, Position, Snapshot, changed_settings_error
 from ddptrain.config import setting_changes
 from ddptrain.data.pipeline import mix_seed
@@ -66,7 +67,7 @@ class RankStates:
 
 class ModelState:
     """"model": the weights (less LoRA's frozen base, which the model's source holds) and the optimizer's
-    state over them. One part: under fsdp DCP writes the two as one state dict, and loads them together. On
+    state over them. One part: DCP writes the two as one state dict, and loads them together. On
     resume the config decides the optimizer's hyperparameters (momentum, betas, weight decay, ...): the
     checkpoint supplies its state only, and a changed value is said once. `group`: the checkpoint manager's
     group, which sharded loads plan over."""
@@ -78,17 +79,14 @@ class ModelState:
         self.frozen = lora.frozen_names(module) if lora.is_lora(module) else []
         self._fingerprint: list[list[float]] | None = None
 
-    def weights(self) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None, dict[str, Any]]:
-        """(model, optimizer, shards, trainer.pt keys): rank 0's whole state dicts, or every rank's shards."""
+    def weights(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(this rank's shards of the model and optimizer state, as DCP writes them; trainer.pt keys). All
+        ranks."""
         extra: dict[str, Any] = {}
         if self.frozen:
             extra["frozen"] = {"names": self.frozen, "fingerprint": self.fingerprint()}
-        if self.parallel.sharded:
-            from ddptrain.checkpoints import shards  # DCP: imported by sharded runs only
-
-            state, extra["param_groups"] = shards.state_to_save(self.module, self.optimizer, self.frozen)
-            return None, None, state, extra
-        return self.parallel.state_dict(self.frozen), self.optimizer.state_dict(), None, extra
+        state, extra["param_groups"] = shards.state_to_save(self.module, self.optimizer, self.frozen)
+        return state, extra
 
     def checkpointed(self, state: dict[str, Any]) -> dict[str, Any]:
         """What a checkpoint holds of the model's `state`: all of it, less the frozen weights under LoRA."""
@@ -145,12 +143,10 @@ class ModelState:
 
     def load_weights(self, loaded: Loaded) -> None:
         """`loaded`'s model and optimizer state into the model and optimizer, whatever the layouts. All ranks."""
-        if loaded.shards is None and not self.parallel.sharded:  # full -> ddp: whole tensors, no DCP
+        if loaded.shards is None and not self.parallel.sharded:  # an earlier full checkpoint -> ddp: whole tensors
             self.module.load_state_dict(loaded.model, strict=not self.frozen)  # the frozen part: as built
             self.optimizer.load_state_dict(loaded.optimizer)
         else:
-            from ddptrain.checkpoints import shards
-
             shards.load_into(self.module, self.optimizer, loaded, self.group(), self.frozen)
 
 
@@ -308,12 +304,12 @@ class RunState:
                       "rng": rng}
 
     def snapshot(self) -> Snapshot:
-        """The shared state: rank 0 only, or all ranks when sharded (each then gives its shards)."""
-        model, optimizer, shards, trainer = self.parts["model"].weights()
+        """This rank's shards and the shared state (rank 0's is written). All ranks."""
+        weights, trainer = self.parts["model"].weights()
         for part in self.parts.values():
             if hasattr(part, "state_dict"):
                 trainer.update(part.state_dict())
-        return Snapshot(Position(**vars(self.position)), model, optimizer, trainer, self.config, shards=shards)
+        return Snapshot(Position(**vars(self.position)), weights, trainer, self.config)
 
     def rank_state(self) -> dict[str, Any]:
         """This rank's state, gathered from every rank at a save."""

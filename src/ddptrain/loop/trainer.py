@@ -135,7 +135,8 @@ class Trainer:
         cfg, ctx, run_dir, device = self.cfg, self.ctx, self.run_dir, self.ctx.device
         self.injector = FaultInjector(cfg.inject_fault, ctx.rank)
         self.checkpoints = CheckpointManager(ctx, cfg.checkpoint_path, cfg.keep_last, cfg.async_checkpoint,
-                                             cfg.checkpoint_timeout_s, self.injector, sharded=self.parallel.sharded,
+                                             cfg.checkpoint_timeout_s, self.injector,
+                                             mapped_reads=self.parallel.sharded,
                                              schedule=SaveSchedule.of(cfg.section("checkpoint")))
         self.watchdog = Watchdog(ctx, rank_log_path(run_dir, ctx.rank), cfg.hang_timeout_s,
                                  startup_timeout_s=cfg.init_timeout_s, checkpoint_timeout_s=cfg.checkpoint_timeout_s)
