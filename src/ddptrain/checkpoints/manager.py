@@ -106,8 +106,7 @@ class CheckpointManager:
         self._group: dist.ProcessGroup | None = None
         self._thread: threading.Thread | None = None
         self._async_error: str | None = None
-        # An async save's CPU copy: its memory is reused by the next one.
-        self._staging = shards.Staging() if async_save else None
+        self._staging = shards.Staging()  # an async save's CPU copy: its memory is reused by the next one
         self._in_flight: int | None = None  # the step of an async save not yet agreed on by `wait`
         self.last_saved_step = -1  # the newest step whose checkpoint every rank agreed committed
         # Rank 0: the committed checkpoint that should be best/ but could not be made so yet. Retention keeps
@@ -145,7 +144,7 @@ class CheckpointManager:
         target = self.directory / f"step-{step}"
         written = None
         try:
-            written = shards.save(target, snap.shards, self.group, self._staging,
+            written = shards.save(target, snap.shards, self.group, self._staging if self.async_save else None,
                                   written=lambda: self.injector.during_save(step) if self.injector else None)
         except shards.SAVE_ERRORS as exc:  # DCP's collective save raises on every rank when one rank's write failed
             error = shards.failure(exc, self.ctx.rank)
