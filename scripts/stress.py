@@ -4,9 +4,10 @@ shows (a fork at the wrong instant, a teardown that never returns, a commit thre
     python scripts/stress.py --runs 100            # what `make stress` does (N=100)
     python scripts/stress.py --runs 10 --seed 3    # another draw of kinds and kill points
 
-Each run is one of the kinds below, drawn in turn; a third of them also SIGKILL one worker at a random step
-and must finish through the launcher's restart (`--max_restarts 1`): the restart resumes from the newest
-checkpoint exactly when the first attempt committed one (a kill before the first commit starts fresh).
+Each run is one of the kinds below, drawn in turn; a third of them (of every kind alike) also SIGKILL one
+worker at a random step and must finish through the launcher's restart (`--max_restarts 1`): the restart
+resumes from the newest checkpoint exactly when the first attempt committed one (a kill before the first
+commit starts fresh).
 Every run must exit 0 with its final weights written, within --timeout seconds (else: a hang, its process
 tree is killed and the stacks are in the run's logs). Prints one line per run and a summary; exits 1 if any
 run failed or hung. The run dirs of failed runs are kept under --work.
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     for index in range(args.runs):
         kind = kinds[index % len(kinds)]
         kill = None
-        if index % 3 == 2:
+        if (index + index // len(kinds)) % 3 == 2:  # a third of the runs, each kind in turn (every round shifts)
             flags = KINDS[kind]
             steps = int(flags[flags.index("--max_steps") + 1]) if "--max_steps" in flags else STEPS
             kill = f"rank={draw.randrange(2)},step={draw.randrange(2, steps)},kind=sigkill"
