@@ -76,3 +76,18 @@ def test_a_users_optimizer_and_scheduler_train_and_resume_bitwise(tmp_path):
     assert "resuming from" in (killed / "logs" / "rank-0.log").read_text()
     assert [row["lr"] for row in metrics(killed, "train")] == pytest.approx(lrs)
     assert_bitwise_equal(weights(straight / "model.safetensors"), weights(killed / "model.safetensors"))
+
+
+def test_an_optimizer_whose_state_holds_python_numbers_resumes_bitwise(tmp_path):
+    """A hand-written optimizer may keep plain ints in its state (a step count). The shards hold tensors only
+    (DCP would pickle anything else, which no checkpoint may need unpickled): such values ride in trainer.pt."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    fit_script(straight, "--counting")
+    saved = torch.load(straight / "checkpoints" / "step-6" / "trainer.pt", weights_only=True)
+    counts = saved["optim_values"]
+    assert counts and all(value == {"updates": 6} for value in counts.values()), counts
+    failed = fit_script(killed, "--counting", "--fail-at", "4", check=False)
+    assert failed.returncode != 0 and "injected fault" in failed.stderr
+    fit_script(killed, "--counting")
+    assert "resuming from" in (killed / "logs" / "rank-0.log").read_text()
+    assert_bitwise_equal(weights(straight / "model.safetensors"), weights(killed / "model.safetensors"))

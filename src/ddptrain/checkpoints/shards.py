@@ -247,14 +247,34 @@ class _TensorsOnlyPlanner(DefaultLoadPlanner):
 # --- saving -------------------------------------------------------------------------------------
 
 def state_to_save(module: nn.Module, optimizer: torch.optim.Optimizer,
-                  leave_out: Collection[str] = ()) -> tuple[dict[str, Any], list[Any]]:
-    """(what the shards hold, the optimizer's param_groups for trainer.pt), less the model tensors named in
-    `leave_out` (LoRA's frozen weights). Sharded tensors stay sharded. All ranks."""
+                  leave_out: Collection[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what the shards hold, what trainer.pt holds of the optimizer), less the model tensors named in `leave_out`
+    (LoRA's frozen weights). Sharded tensors stay sharded. All ranks.
+
+    The shards hold tensors only. The optimizer's param_groups, and any value of its state that is not a tensor
+    (a hand-written optimizer's int step count), go to trainer.pt: DCP would pickle them into the shards, which
+    no checkpoint may need unpickled.
+    """
     model = {name: value for name, value in get_model_state_dict(module).items() if name not in leave_out}
     if not optimizer.state:  # no update yet: DCP's helper would take a zero-gradient step to create state
-        return {"model": model}, []
+        return {"model": model}, {"param_groups": []}
     optim = get_optimizer_state_dict(module, optimizer)
-    return {"model": model, "optim": {"state": optim["state"]}}, optim["param_groups"]
+    tensors, values = _split_values(optim["state"])
+    extra = {"param_groups": optim["param_groups"]}
+    if values:
+        extra["optim_values"] = values
+    return {"model": model, "optim": {"state": tensors}}, extra
+
+
+def _split_values(state: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """An optimizer's state by parameter name, as (its tensors, its other values); a parameter with none of
+    either is left out of that one."""
+    tensors: dict[str, dict[str, Any]] = {}
+    values: dict[str, dict[str, Any]] = {}
+    for name, entry in state.items():
+        for key, value in entry.items():
+            (tensors if isinstance(value, torch.Tensor) else values).setdefault(name, {})[key] = value
+    return tensors, values
 
 
 class _Writer(FileSystemWriter):
@@ -351,17 +371,20 @@ def load_into(module: nn.Module, optimizer: torch.optim.Optimizer, loaded: Loade
     if loaded.shards is None:
         _load_full_rows(module, optimizer, loaded, leave_out)
         return
-    has_optimizer = any(key.startswith("optim.") for key in loaded.shards.state_dict_metadata)
+    saved_tensors = any(key.startswith("optim.") for key in loaded.shards.state_dict_metadata)
+    saved_values = loaded.trainer.get("optim_values", {})  # the state's other values (state_to_save)
     model_state = {name: value for name, value in get_model_state_dict(module).items() if name not in leave_out}
     state: dict[str, Any] = {"model": model_state}
-    if has_optimizer:
-        state["optim"] = {"state": get_optimizer_state_dict(module, optimizer)["state"]}
+    if saved_tensors:
+        state["optim"] = {"state": _split_values(get_optimizer_state_dict(module, optimizer)["state"])[0]}
     dcp.load(state, storage_reader=_VerifiedReader(loaded.path / SHARDS, loaded.shards),
              planner=_TensorsOnlyPlanner(), process_group=group)
     set_model_state_dict(module, model_state, options=StateDictOptions(strict=not leave_out))
-    if has_optimizer:
-        set_optimizer_state_dict(module, optimizer, {"state": state["optim"]["state"],
-                                                     "param_groups": loaded.trainer["param_groups"]})
+    if saved_tensors or saved_values:
+        merged = state["optim"]["state"] if saved_tensors else {}
+        for name, values in saved_values.items():
+            merged.setdefault(name, {}).update(values)
+        set_optimizer_state_dict(module, optimizer, {"state": merged, "param_groups": loaded.trainer["param_groups"]})
 
 
 @torch.no_grad()

@@ -85,8 +85,8 @@ class ModelState:
         extra: dict[str, Any] = {}
         if self.frozen:
             extra["frozen"] = {"names": self.frozen, "fingerprint": self.fingerprint()}
-        state, extra["param_groups"] = shards.state_to_save(self.module, self.optimizer, self.frozen)
-        return state, extra
+        state, optimizer = shards.state_to_save(self.module, self.optimizer, self.frozen)
+        return state, {**extra, **optimizer}
 
     def checkpointed(self, state: dict[str, Any]) -> dict[str, Any]:
         """What a checkpoint holds of the model's `state`: all of it, less the frozen weights under LoRA."""
