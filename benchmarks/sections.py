@@ -382,9 +382,10 @@ def checkpoint(size: str, work: Path) -> Plan:
                 f"training loop spends inside save(); the first async save also allocates its staging copy "
                 f"({fmt_ms(first_async)}), later ones reuse it. Lost = extra wall time of the "
                 f"{period} steps from the save on, against the {period} clean steps before it: sync "
-                f"{lost['sync']:.2f} s, async {lost['async']:.2f} s. The async writer serialises, hashes and writes "
-                "in a thread of rank 0: where training already uses every core (here 2 processes on 2 cores) that "
-                "work still slows the steps around it; on a GPU node it runs on otherwise idle host cores.")
+                f"{lost['sync']:.2f} s, async {lost['async']:.2f} s. Each rank copies and writes its share of the "
+                "tensors (DCP; under ddp each tensor is written by one rank), the async writer in a thread: where "
+                "training already uses every core (here 2 processes on 2 cores) that work still slows the steps "
+                "around it; on a GPU node it runs on otherwise idle host cores.")
         if not passed:
             note += (" MISS: the async stall is the copy of the state into the staging memory plus the agreement "
                      "collectives; on a loaded machine the copy competes for memory bandwidth and cores.")

@@ -26,6 +26,11 @@ def tied_mlp(cfg):
     return TiedMLP(cfg.in_channels * cfg.image_size ** 2, cfg.width, cfg.num_classes)
 
 
+def one_matrix(cfg):
+    """A model of one tensor: with --momentum 0 a checkpoint of 2 ddp ranks has nothing for the second to write."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(cfg.in_channels * cfg.image_size ** 2, cfg.num_classes, bias=False))
+
+
 def first_linear(model: nn.Module) -> list[nn.Module]:
     """--fsdp_blocks model_plugins:first_linear: the built-in MLP's first layer as its one FSDP unit."""
     return [model.net[1]]

@@ -12,7 +12,8 @@ from pathlib import Path
 import pipeline_runs as runs
 import pytest
 import torch
-from helpers import REPO, RunsCode, metrics, one_line_error, plant_hostile, read_jsonl, train, weights
+from helpers import (REPO, RunsCode, assert_bitwise_equal, metrics, one_line_error, plant_hostile, read_jsonl, train,
+                     weights)
 
 from ddptrain.checkpoints.format import MANIFEST, CheckpointError, committed_steps
 from ddptrain.checkpoints.read import read_checkpoint
@@ -50,6 +51,40 @@ def test_checkpoint_of_a_two_process_run_resumes_and_finishes(pair: Path, tmp_pa
     final, uninterrupted = weights(resumed / "model.safetensors"), weights(pair / "model.safetensors")
     for key in final:
         torch.testing.assert_close(final[key], uninterrupted[key], rtol=1e-6, atol=1e-7)
+
+
+def test_ddp_ranks_share_the_writing_and_a_rank_with_nothing_to_write_still_commits_and_resumes(tmp_path: Path):
+    """Each tensor a ddp checkpoint holds is written by one rank (share_of_replicas); with one tensor and two
+    ranks the second writes nothing, and the checkpoint still commits, resumes and ends as the unbroken run."""
+    flags = ["--model", "model_plugins:one_matrix", "--momentum", "0", "--save_every_steps", "2", "--keep_last", "0"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, *flags, "--max_steps", "4", nproc=2)
+    train(resumed, *flags, "--max_steps", "2", nproc=2)
+    manifest = json.loads((resumed / "checkpoints" / "step-2" / MANIFEST).read_text())
+    sizes = {name: entry["size"] for name, entry in manifest["files"].items() if name.endswith(".distcp")}
+    assert sizes["shards/__0_0.distcp"] > 1000 and sizes["shards/__1_0.distcp"] == 0, sizes
+    proc = train(resumed, *flags, "--max_steps", "4", nproc=2)
+    assert f"resuming from {resumed / 'checkpoints' / 'step-2'}" in proc.stdout
+    assert_bitwise_equal(weights(resumed / "model.safetensors"), weights(straight / "model.safetensors"))
+
+
+def test_the_share_of_replicas_gives_each_tensor_to_one_rank_balancing_bytes():
+    from ddptrain.checkpoints.shards import share_of_replicas
+
+    state = {"model": {"a": torch.zeros(100), "b": torch.zeros(10), "c": torch.zeros(60), "d": torch.zeros(50)},
+             "optim": {"state": {"a": {"m": torch.zeros(100)}, "e": {"step": torch.tensor(1.0)}}}}
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            yield from leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [(f"{prefix}{key}", value)]
+
+    whole = dict(leaves(state))
+    parts = [dict(leaves(share_of_replicas(state, rank, 2))) for rank in (0, 1)]
+    # In order, to the rank with the fewest bytes: a (400 B) to 0, b, c and d to 1 (40, 280, 480 B), a's
+    # momentum to 0 (800 B), the 0-d step to 1.
+    assert sorted(parts[0]) == ["model.a", "optim.state.a.m"]
+    assert sorted(parts[1]) == ["model.b", "model.c", "model.d", "optim.state.e.step"]
+    assert all(value is whole[name] for part in parts for name, value in part.items())  # the tensors themselves
+    assert dict(leaves(share_of_replicas(state, 0, 1))).keys() == whole.keys()
 
 
 def hostile_copy(pair: Path, tmp_path: Path, name: str) -> tuple[Path, Path]:

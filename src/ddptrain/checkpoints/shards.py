@@ -6,7 +6,7 @@ Layout of ``checkpoints/step-<N>/``::
 
     shards/.metadata       DCP's index: which byte ranges of which file hold which slice of which tensor
     shards/__R_I.distcp    the tensor slices rank R wrote (model under ``model.``, optimizer ``optim.state.``);
-                           under ddp every rank holds every tensor whole, and DCP has each written by one rank
+                           under ddp every rank holds every tensor whole, and each writes its share of them
     trainer.pt             the run's other state (format.py), with the optimizer's param_groups (no tensors)
     manifest.json          written by rank 0 last, after every rank reported its files written and hashed
 
@@ -246,24 +246,51 @@ class _TensorsOnlyPlanner(DefaultLoadPlanner):
 
 # --- saving -------------------------------------------------------------------------------------
 
-def state_to_save(module: nn.Module, optimizer: torch.optim.Optimizer,
-                  leave_out: Collection[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(what the shards hold, what trainer.pt holds of the optimizer), less the model tensors named in `leave_out`
-    (LoRA's frozen weights). Sharded tensors stay sharded. All ranks.
+def state_to_save(module: nn.Module, optimizer: torch.optim.Optimizer, leave_out: Collection[str] = (),
+                  replicas: tuple[int, int] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what this rank's shards hold, what trainer.pt holds of the optimizer), less the model tensors named in
+    `leave_out` (LoRA's frozen weights). Sharded tensors stay sharded. All ranks.
 
     The shards hold tensors only. The optimizer's param_groups, and any value of its state that is not a tensor
     (a hand-written optimizer's int step count), go to trainer.pt: DCP would pickle them into the shards, which
     no checkpoint may need unpickled.
+
+    `replicas` = (rank, world size) where every rank holds every tensor whole (ddp): this rank's share only
+    (`share_of_replicas`), so that each tensor is copied and written by one rank, an async save's CPU copy
+    included.
     """
     model = {name: value for name, value in get_model_state_dict(module).items() if name not in leave_out}
-    if not optimizer.state:  # no update yet: DCP's helper would take a zero-gradient step to create state
-        return {"model": model}, {"param_groups": []}
-    optim = get_optimizer_state_dict(module, optimizer)
-    tensors, values = _split_values(optim["state"])
-    extra = {"param_groups": optim["param_groups"]}
-    if values:
-        extra["optim_values"] = values
-    return {"model": model, "optim": {"state": tensors}}, extra
+    state: dict[str, Any] = {"model": model}
+    extra: dict[str, Any] = {"param_groups": []}
+    if optimizer.state:  # else no update yet: DCP's helper would take a zero-gradient step to create state
+        optim = get_optimizer_state_dict(module, optimizer)
+        tensors, values = _split_values(optim["state"])
+        state["optim"], extra["param_groups"] = {"state": tensors}, optim["param_groups"]
+        if values:
+            extra["optim_values"] = values
+    return (share_of_replicas(state, *replicas) if replicas else state), extra
+
+
+def share_of_replicas(state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """The part of `state` (nested dicts of tensors, the same on every rank) that `rank` writes: each tensor goes
+    to the rank with the fewest bytes so far, in the order of the dicts, which every rank walks alike."""
+    loads = [0] * world_size
+
+    def walk(node: dict[str, Any]) -> dict[str, Any]:
+        mine: dict[str, Any] = {}
+        for key, value in node.items():
+            if isinstance(value, dict):
+                part = walk(value)
+                if part:
+                    mine[key] = part
+                continue
+            writer = loads.index(min(loads))
+            loads[writer] += max(value.numel() * value.element_size(), 1)
+            if writer == rank:
+                mine[key] = value
+        return mine
+
+    return walk(state)
 
 
 def _split_values(state: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:

@@ -85,7 +85,8 @@ class ModelState:
         extra: dict[str, Any] = {}
         if self.frozen:
             extra["frozen"] = {"names": self.frozen, "fingerprint": self.fingerprint()}
-        state, optimizer = shards.state_to_save(self.module, self.optimizer, self.frozen)
+        replicas = None if self.parallel.sharded else (self.ctx.rank, self.ctx.world_size)
+        state, optimizer = shards.state_to_save(self.module, self.optimizer, self.frozen, replicas)
         return state, {**extra, **optimizer}
 
     def checkpointed(self, state: dict[str, Any]) -> dict[str, Any]:
