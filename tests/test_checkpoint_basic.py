@@ -59,7 +59,7 @@ def test_ddp_ranks_share_the_writing_and_a_rank_with_nothing_to_write_still_comm
     flags = ["--model", "model_plugins:one_matrix", "--momentum", "0", "--save_every_steps", "2", "--keep_last", "0"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(straight, *flags, "--max_steps", "4", nproc=2)
-    train(resumed, *flags, "--max_steps", "2", nproc=2)
+    shutil.copytree(straight / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
     manifest = json.loads((resumed / "checkpoints" / "step-2" / MANIFEST).read_text())
     sizes = {name: entry["size"] for name, entry in manifest["files"].items() if name.endswith(".distcp")}
     assert sizes["shards/__0_0.distcp"] > 1000 and sizes["shards/__1_0.distcp"] == 0, sizes
