@@ -87,6 +87,36 @@ def test_the_share_of_replicas_gives_each_tensor_to_one_rank_balancing_bytes():
     assert dict(leaves(share_of_replicas(state, 0, 1))).keys() == whole.keys()
 
 
+def test_a_ddp_rank_snapshots_only_its_share_of_the_replicated_state():
+    """share_of_replicas wired in: what a ddp rank stages and writes at a save is its share alone (the shares of
+    the ranks split the whole); an fsdp rank's is all it holds."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from ddptrain.checkpoints.shards import share_of_replicas
+    from ddptrain.loop.checkpointed import ModelState
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    module(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+
+    def names(node, prefix=""):
+        return {name for key, value in node.items()
+                for name in (names(value, f"{prefix}{key}.") if isinstance(value, dict) else [prefix + key])}
+
+    def snapshot(rank, sharded):
+        ctx, parallel = SimpleNamespace(rank=rank, world_size=2, is_main=rank == 0), SimpleNamespace(sharded=sharded)
+        return ModelState(module, optimizer, parallel, ctx, lambda: None, "sgd", "mlp", 0).weights()[0]
+
+    whole = snapshot(0, sharded=True)
+    shares = [names(snapshot(rank, sharded=False)) for rank in (0, 1)]
+    assert shares == [names(share_of_replicas(whole, rank, 2)) for rank in (0, 1)]
+    assert shares[0] and shares[1] and not shares[0] & shares[1] and shares[0] | shares[1] == names(whole)
+
+
 def hostile_copy(pair: Path, tmp_path: Path, name: str) -> tuple[Path, Path]:
     """A copy of a checkpoint with `name` replaced by a pickle that runs code: of the pair's newest, or for
     optimizer.pt, which only the full layout has, of the ddp checkpoint an earlier version wrote."""
