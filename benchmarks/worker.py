@@ -45,9 +45,8 @@ from benchmarks.probe import (
 )
 from benchmarks.raw_loop import LOSSES, RawLoop, sync_device
 from ddptrain.config import TrainConfig, resolve_config
-from ddptrain.data.pipeline import build_datasets
+from ddptrain.loop.plugins import datasets_of, model_of
 from ddptrain.loop.trainer import Trainer
-from ddptrain.models import build_model
 from ddptrain.observe.log import setup_logging
 from ddptrain.observe.metrics import read_metrics
 from ddptrain.parallel.distributed import DistributedContext, distributed
@@ -59,8 +58,8 @@ def raw_loop_for(cfg: TrainConfig, ctx: DistributedContext, sync_every_micro_ste
     if cfg.task not in LOSSES:
         raise ValueError(f"the raw loop has no hand-written loss for --task {cfg.task}; choose from {sorted(LOSSES)}")
     torch.manual_seed(cfg.seed)
-    train, _ = build_datasets(cfg)
-    return RawLoop(build_model(cfg), train, device=ctx.device, batch_size=cfg.batch_size,
+    train, _ = datasets_of(cfg)
+    return RawLoop(model_of(cfg), train, device=ctx.device, batch_size=cfg.batch_size,
                    num_workers=cfg.num_workers, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                    seed=cfg.seed, grad_accum_steps=cfg.grad_accum_steps, sync_every_micro_step=sync_every_micro_step,
                    use_amp=cfg.use_amp, channels_last=cfg.channels_last, compile=cfg.compile, task=cfg.task,

@@ -163,3 +163,13 @@ class ShortStream(IterableDataset):
 def short_stream(cfg):
     """A stream of one element: fewer than the readers of one process with --num_workers 2."""
     return ShortStream(_images(cfg, 1), 1), None
+
+
+def not_a_module(cfg):
+    """--model whose function returns the model's settings, not the model."""
+    return {"width": cfg.width}
+
+
+def one_dataset(cfg):
+    """--dataset whose function returns the training set alone, not (train, eval or None)."""
+    return _images(cfg, 64)

@@ -122,11 +122,11 @@ def assert_close_weights(expected: dict[str, torch.Tensor], actual: dict[str, to
 def initial_weights(*flags: str) -> dict[str, torch.Tensor]:
     """The weights a run of TINY + `flags` starts from: the trainer seeds the model's init with --seed."""
     from ddptrain.config import resolve_config
-    from ddptrain.models import build_model
+    from ddptrain.loop.plugins import model_of
 
     cfg = resolve_config([*TINY, *flags], validate=False)
     torch.manual_seed(cfg.seed)
-    return build_model(cfg).state_dict()
+    return model_of(cfg).state_dict()
 
 
 def assert_trained(final: dict[str, torch.Tensor], initial: dict[str, torch.Tensor], margin: float = 1e-2) -> None:

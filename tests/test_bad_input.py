@@ -41,6 +41,12 @@ BAD_INPUTS = {
     "a token model on images": (["--model", "gpt", *GPT_SMALL],
                                 ["--model gpt", "looks up token ids", "--dataset synthetic",
                                  "floating-point values at [0]", "--task language_model"]),
+    "a model plug-in that returns no module": (["--model", "bad_plugins:not_a_module"],
+                                               ["--model bad_plugins:not_a_module", "returned dict",
+                                                "not a torch.nn.Module"]),
+    "a dataset plug-in that returns one dataset": (["--dataset", "bad_plugins:one_dataset"],
+                                                   ["--dataset bad_plugins:one_dataset",
+                                                    "(train_dataset, eval_dataset or None)"]),
     "a stream shorter than its readers": (["--dataset", "bad_plugins:short_stream", "--num_workers", "2"],
                                           ["ShortStream", "2 readers", "1 process(es) x 2 loader worker(s)",
                                            "--batch_size"]),
@@ -69,6 +75,17 @@ def test_a_bad_input_is_one_line_and_exit_2_before_training(tmp_path, capfd, fla
     code = cli.main(["train", *TINY, "--run_dir", str(tmp_path), "--max_steps", "2", *flags])
     line = the_line(code, capfd.readouterr().err)
     assert all(word in line for word in words), (words, line)
+    assert trained_steps(tmp_path) == 0
+
+
+def test_a_model_function_given_to_fit_that_returns_no_module_is_named(tmp_path):
+    import ddptrain
+    from ddptrain.config import resolve_config
+
+    cfg = resolve_config([*TINY, "--run_dir", str(tmp_path), "--max_steps", "2"])
+    with pytest.raises(ddptrain.UsageError, match="the model function given to ddptrain.fit: the function "
+                                                  "returned dict, not a torch.nn.Module"):
+        ddptrain.fit(model=lambda cfg: {"width": cfg.width}, config=cfg)
     assert trained_steps(tmp_path) == 0
 
 

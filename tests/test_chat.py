@@ -70,7 +70,7 @@ def tokenized(tokenizer_dir: Path, data: Path, *flags: str) -> list[dict]:
 
     cfg = TrainConfig(task="language_model", model="gpt", dataset=f"hf:{data}", tokenizer=str(tokenizer_dir),
                       seq_len=256, **dict(zip(flags[::2], flags[1::2])))
-    train_ds, _ = hf.build_datasets(cfg)
+    train_ds, _ = hf.build_datasets(cfg.section("data"), data.parent)
     return [{k: v.tolist() for k, v in train_ds[i].items()} for i in range(len(train_ds))]
 
 

@@ -18,11 +18,11 @@ import torch
 from helpers import TINY, cli_env, read_jsonl, run_cli, run_python
 from torch.utils.data import Dataset
 
-from ddptrain.config import TrainConfig
 from ddptrain.data.pipeline import (
     BackgroundBatches,
     BatchLayout,
     GlobalOrderSampler,
+    Reading,
     SeededSamples,
     ShardedEvalSampler,
     SyntheticImages,
@@ -167,9 +167,8 @@ def test_loader_workers_read_the_same_samples_as_the_main_process():
     layout = BatchLayout(4, 1, 1)
     read = {}
     for workers in (0, 2):
-        cfg = TrainConfig(num_workers=workers)
         sampler = GlobalOrderSampler(16, layout, 0, seed=11)
-        loader = make_loader(JitterDataset(), sampler, cfg, torch.device("cpu"), seed=workers)
+        loader = make_loader(JitterDataset(), sampler, Reading(workers=workers), torch.device("cpu"), seed=workers)
         read[workers] = [(ids, inputs) for ids, (inputs, _) in loader]
     assert [ids for ids, _ in read[0]] == [ids for ids, _ in read[2]]
     for (_, a), (_, b) in zip(read[0], read[2]):
@@ -269,18 +268,17 @@ def test_background_batches_are_the_loader_s_in_order_and_a_worker_s_error_reach
 def test_loader_workers_fork_only_where_cpython_has_the_fork_fix():
     """CPython gh-112275 (a child forked while another thread makes a thread state hangs) is fixed in 3.11.10
     and 3.12.0: older interpreters start loader workers from a forkserver, newer ones fork them."""
-    from ddptrain.data.pipeline import fork_is_safe, make_loader
+    from ddptrain.data.pipeline import Reading, fork_is_safe, make_loader
 
     assert not fork_is_safe((3, 11, 7)) and not fork_is_safe((3, 11, 9))
     assert fork_is_safe((3, 11, 10)) and fork_is_safe((3, 12, 0)) and fork_is_safe((3, 13, 1))
-    cfg = TrainConfig(num_workers=2)
     sampler = ShardedEvalSampler(8, 4, 0, 1)
-    context = make_loader(SyntheticImages(8, 10, 3, 8, seed=0), sampler, cfg, torch.device("cpu"), 0
+    context = make_loader(SyntheticImages(8, 10, 3, 8, seed=0), sampler, Reading(workers=2), torch.device("cpu"), 0
                           ).multiprocessing_context
     expected = "fork" if fork_is_safe(tuple(sys.version_info[:3])) else "forkserver"
     assert (context.get_start_method() if context is not None else "fork") == expected
-    assert make_loader(SyntheticImages(8, 10, 3, 8, seed=0), sampler, TrainConfig(num_workers=0),
-                       torch.device("cpu"), 0).multiprocessing_context is None
+    assert make_loader(SyntheticImages(8, 10, 3, 8, seed=0), sampler, Reading(workers=0), torch.device("cpu"),
+                       0).multiprocessing_context is None
 
 
 def test_loader_workers_do_not_import_again_what_a_named_main_module_imported(tmp_path):

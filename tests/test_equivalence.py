@@ -17,8 +17,7 @@ from helpers import TINY, assert_close_weights, assert_trained, metrics, train, 
 from helpers import initial_weights as initial_weights_of
 
 from ddptrain.config import resolve_config
-from ddptrain.data.pipeline import build_datasets
-from ddptrain.models import build_model
+from ddptrain.loop.plugins import datasets_of, model_of
 
 REL_TOL = 1e-6
 
@@ -95,11 +94,11 @@ def test_only_batchnorm_that_normalises_with_batch_statistics_counts_as_unsynced
 
     from ddptrain.parallel.strategies import unsynced_batchnorm
 
-    resnet = build_model(run_config("--model", "mini_resnet", "--norm", "batch"))
+    resnet = model_of(run_config("--model", "mini_resnet", "--norm", "batch"))
     layers = unsynced_batchnorm(resnet)
     resnet.get_submodule(layers[0]).eval()
     assert unsynced_batchnorm(resnet) == layers[1:], "a layer the user froze normalises with running statistics"
-    assert unsynced_batchnorm(build_model(run_config("--model", "mini_resnet", "--norm", "group"))) == []
+    assert unsynced_batchnorm(model_of(run_config("--model", "mini_resnet", "--norm", "group"))) == []
     assert unsynced_batchnorm(user_plugins.FrozenNormMLP(12, 2, 4)) == [], "frozen: running statistics"
     synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(4)))
     assert unsynced_batchnorm(synced) == []
@@ -141,8 +140,8 @@ def test_eval_is_exact_when_the_eval_set_does_not_divide_by_the_world_size(singl
 
     # The 2-process number against a plain single-process pass over the same weights and samples.
     cfg = run_config()
-    _, eval_ds = build_datasets(cfg)
-    model = build_model(cfg)
+    _, eval_ds = datasets_of(cfg)
+    model = model_of(cfg)
     model.load_state_dict(weights(pair / "model.safetensors"))
     model.eval()
     inputs = torch.stack([eval_ds[i][0] for i in range(len(eval_ds))])

@@ -19,7 +19,7 @@ from helpers import REPO, TINY, cli_env
 
 from ddptrain.checkpoints.shards import Staging
 from ddptrain.config import resolve_config
-from ddptrain.data.pipeline import SeededSamples, SyntheticImages, make_loader
+from ddptrain.data.pipeline import Reading, SeededSamples, SyntheticImages, make_loader
 from ddptrain.loop.trainer import Trainer, build_optimizer
 from ddptrain.models import MiniResNet
 
@@ -104,10 +104,9 @@ def test_optimizers_are_fused_and_loaders_pin_memory_for_cuda_only(tmp_path):
     for optimizer in ("sgd", "adamw"):
         cfg.optimizer = optimizer
         assert build_optimizer(cfg, params, 0.1).defaults["fused"] is True
-    cfg.num_workers = 0
     data = SyntheticImages(8, 2, 1, 4, seed=0)
-    assert make_loader(data, [[(0, 0)]], cfg, torch.device("cuda"), seed=0).pin_memory is True
-    assert make_loader(data, [[(0, 0)]], cfg, torch.device("cpu"), seed=0).pin_memory is False
+    assert make_loader(data, [[(0, 0)]], Reading(), torch.device("cuda"), seed=0).pin_memory is True
+    assert make_loader(data, [[(0, 0)]], Reading(), torch.device("cpu"), seed=0).pin_memory is False
 
 
 def test_batched_fetch_seeds_each_sample_and_restores_the_rngs():

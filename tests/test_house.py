@@ -49,3 +49,27 @@ def test_the_instance_attribute_count_sees_every_form_of_assignment():
     tree = ast.parse("class A:\n    def f(self):\n        self.a = 1\n        self.b, self.c = 2, 3\n"
                      "        self.d: int = 4\n        self.a += 1\n        other.e = 5\n")
     assert instance_attributes(tree.body[0]) == {"a", "b", "c", "d"}
+
+
+# What may see the whole TrainConfig (docs/development.md, "Settings by section"): what makes it and writes it
+# (the faces, the launcher), checks it whole (preflight, the changed-settings check), hands each component its
+# section (the Trainer) or calls a plug-in, whose contract is fn(cfg) (loop/plugins.py, through which the tools
+# build a saved run's model and task too). Every other component is built from its own section.
+WHOLE_CONFIG = {"__init__.py", "api.py", "cli.py", "config.py", "config_table.py", "preflight.py",
+                "checkpoints/format.py", "loop/plugins.py", "loop/trainer.py", "tools/export.py", "tools/memplan.py",
+                "tools/plan.py"}
+
+
+def test_only_the_assembly_sees_the_whole_config():
+    seen = set()
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        imports = any(isinstance(node, ast.ImportFrom) and node.module == "ddptrain.config"
+                      and any(alias.name == "TrainConfig" for alias in node.names) for node in ast.walk(tree))
+        takes = any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and any(arg.arg == "cfg" for arg in node.args.args + node.args.kwonlyargs)
+                    for node in ast.walk(tree))
+        if imports or takes:
+            seen.add(str(path.relative_to(SRC)))
+    assert {"loop/trainer.py", "loop/plugins.py"} <= seen  # the check sees the assembly at all
+    assert seen <= WHOLE_CONFIG, f"components that take the whole config, not their section: {seen - WHOLE_CONFIG}"

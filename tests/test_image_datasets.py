@@ -13,7 +13,8 @@ from PIL import Image
 
 from ddptrain.config import resolve_config
 from ddptrain.data import images as image_datasets
-from ddptrain.data.pipeline import SeededSamples, build_datasets
+from ddptrain.data.pipeline import SeededSamples
+from ddptrain.loop.plugins import datasets_of
 from ddptrain.errors import UsageError
 from ddptrain.preflight import check_data
 
@@ -85,7 +86,7 @@ def all_crops_and_flips(image: torch.Tensor, padding: int = 4) -> list[torch.Ten
 
 def test_cifar10_binary_loads_labels_pixels_and_shapes(tmp_path):
     written = write_cifar10(tmp_path / "cifar-10-batches-bin")
-    train_ds, eval_ds = build_datasets(cfg_for("cifar10", tmp_path))  # the parent of the extracted folder
+    train_ds, eval_ds = datasets_of(cfg_for("cifar10", tmp_path))  # the parent of the extracted folder
     assert (len(train_ds), len(eval_ds)) == (30, 5)
     labels, pixels = written["data_batch_3.bin"]
     image, label = eval_ds[0]
@@ -101,7 +102,7 @@ def test_cifar10_binary_loads_labels_pixels_and_shapes(tmp_path):
 
 def test_cifar_train_augmentation_is_a_crop_and_flip_deterministic_per_seed_epoch_and_sample(tmp_path):
     written = write_cifar10(tmp_path)
-    train_ds, _ = build_datasets(cfg_for("cifar10", tmp_path))
+    train_ds, _ = datasets_of(cfg_for("cifar10", tmp_path))
     seeded = SeededSamples(train_ds, seed=7)
     _, (first, label) = seeded[(0, 2)]
     assert label == written["data_batch_1.bin"][0][2]
@@ -118,7 +119,7 @@ def test_cifar_train_augmentation_is_a_crop_and_flip_deterministic_per_seed_epoc
 
 def test_cifar100_uses_the_fine_labels(tmp_path):
     train_fine, test_fine = write_cifar100(tmp_path)
-    train_ds, eval_ds = build_datasets(cfg_for("cifar100", tmp_path, "--num_classes", "100"))
+    train_ds, eval_ds = datasets_of(cfg_for("cifar100", tmp_path, "--num_classes", "100"))
     assert [train_ds[i][1] for i in range(len(train_ds))] == train_fine.tolist()
     assert [eval_ds[i][1] for i in range(len(eval_ds))] == test_fine.tolist()
     assert train_ds[0][0].shape == (3, 32, 32)
@@ -149,7 +150,7 @@ def test_cifar_label_out_of_range_is_a_clear_usage_error(tmp_path):
     blob[3073] = 12  # the label byte of record 1
     (tmp_path / "data_batch_2.bin").write_bytes(bytes(blob))
     with pytest.raises(UsageError, match=r"data_batch_2.bin record 1 has label 12, but CIFAR-10 has 10 classes"):
-        build_datasets(cfg_for("cifar10", tmp_path))
+        datasets_of(cfg_for("cifar10", tmp_path))
 
 
 def test_config_flags_must_fit_the_data(tmp_path):
@@ -191,7 +192,7 @@ def test_cifar10_trains_end_to_end_with_a_loader_worker(tmp_path):
 
 def test_image_folder_classes_by_sorted_folder_name_and_resized_images(tmp_path):
     write_image_folder(tmp_path)
-    train_ds, eval_ds = build_datasets(cfg_for("imagefolder", tmp_path, "--num_classes", "3", "--image_size", "8"))
+    train_ds, eval_ds = datasets_of(cfg_for("imagefolder", tmp_path, "--num_classes", "3", "--image_size", "8"))
     assert train_ds.classes == ["ant", "bee", "cat"]
     assert (len(train_ds), len(eval_ds)) == (10, 6)  # notes.txt is not an image
     assert [eval_ds[i][1] for i in range(6)] == [0, 0, 1, 1, 2, 2]
@@ -202,14 +203,14 @@ def test_image_folder_classes_by_sorted_folder_name_and_resized_images(tmp_path)
         colour = torch.tensor(list(COLOURS.values())[label], dtype=torch.float32).view(3, 1, 1) / 255
         assert image.shape == (3, 8, 8)
         assert torch.allclose(image, ((colour - mean) / std).expand(3, 8, 8), atol=1e-6)
-    grey, _ = build_datasets(cfg_for("imagefolder", tmp_path, "--num_classes", "3", "--image_size", "8",
+    grey, _ = datasets_of(cfg_for("imagefolder", tmp_path, "--num_classes", "3", "--image_size", "8",
                                      "--in_channels", "1"))
     assert grey[0][0].shape == (1, 8, 8)
 
 
 def test_image_folder_augmentation_is_deterministic_per_seed(tmp_path):
     write_image_folder(tmp_path)
-    train_ds, _ = build_datasets(cfg_for("imagefolder", tmp_path, "--num_classes", "3", "--image_size", "8"))
+    train_ds, _ = datasets_of(cfg_for("imagefolder", tmp_path, "--num_classes", "3", "--image_size", "8"))
     a, b = SeededSamples(train_ds, 3), SeededSamples(train_ds, 3)
     for key in [(0, 0), (0, 9), (1, 9)]:
         assert torch.equal(a[key][1][0], b[key][1][0])
@@ -240,15 +241,15 @@ def test_image_folder_bad_class_folders_and_files(tmp_path):
     flags = ("--num_classes", "3", "--image_size", "8")
     (tmp_path / "val" / "dog").mkdir()
     with pytest.raises(UsageError, match=r"val/dog is not a class of train/"):
-        build_datasets(cfg_for("imagefolder", tmp_path, *flags))
+        datasets_of(cfg_for("imagefolder", tmp_path, *flags))
     (tmp_path / "val" / "dog").rmdir()
     for image in (tmp_path / "train" / "bee").iterdir():
         image.unlink()
     with pytest.raises(UsageError, match=r"class folder .*train/bee has no images"):
-        build_datasets(cfg_for("imagefolder", tmp_path, *flags))
+        datasets_of(cfg_for("imagefolder", tmp_path, *flags))
     Image.new("RGB", (4, 4)).save(tmp_path / "train" / "bee" / "0.png")
     (tmp_path / "train" / "bee" / "1.png").write_bytes(b"\x89PNG broken")
-    train_ds, _ = build_datasets(cfg_for("imagefolder", tmp_path, *flags))
+    train_ds, _ = datasets_of(cfg_for("imagefolder", tmp_path, *flags))
     with pytest.raises(ValueError, match=r"train/bee/1.png: not a readable image"):
         train_ds[4]
 
@@ -264,12 +265,12 @@ def test_image_folder_trains_end_to_end(tmp_path):
 # --- digits --------------------------------------------------------------------------------------
 
 def test_digits_split_is_fixed_stratified_and_disjoint():
-    train_ds, eval_ds = build_datasets(cfg_for("digits", "", "--in_channels", "1", "--image_size", "8"))
+    train_ds, eval_ds = datasets_of(cfg_for("digits", "", "--in_channels", "1", "--image_size", "8"))
     assert (len(train_ds), len(eval_ds)) == (1433, 364)
     assert train_ds[0][0].shape == (1, 8, 8)
     counts = torch.bincount(eval_ds.targets, minlength=10)
     assert counts.min() >= 35 and counts.max() <= 37  # every class held out at the same 1-in-5 rate
-    again, _ = build_datasets(cfg_for("digits", "", "--in_channels", "1", "--image_size", "8", "--seed", "1"))
+    again, _ = datasets_of(cfg_for("digits", "", "--in_channels", "1", "--image_size", "8", "--seed", "1"))
     assert torch.equal(train_ds.images, again.images)  # the split does not depend on --seed
     is_eval = image_datasets.digits_split(np.arange(100) % 10)
     assert is_eval.sum() == 20 and list(np.flatnonzero(is_eval[:10])) == list(range(10))

@@ -52,8 +52,7 @@ def trained_model(base: Path, run_dir: Path) -> torch.nn.Module:
     from ddptrain.models import lora
 
     model = transformers.LlamaForCausalLM.from_pretrained(base)
-    lora.apply(model, SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets="",
-                                      model=f"hf:{base}"))
+    lora.apply(model, SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets=""), f"hf:{base}")
     missing, unexpected = model.load_state_dict(weights(run_dir / "model.safetensors"), strict=False)
     assert not unexpected and all(".lora_" not in name for name in missing)
     return model.eval()

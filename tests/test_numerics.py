@@ -29,11 +29,11 @@ def assert_same_optimizer_state(a: dict, b: dict) -> None:
 def initial_weights(*flags: str) -> dict[str, torch.Tensor]:
     """The weights a run with these flags starts from (model init is seeded identically on every rank)."""
     from ddptrain.config import resolve_config
-    from ddptrain.models import build_model
+    from ddptrain.loop.plugins import model_of
 
     cfg = resolve_config([*TINY, *flags])
     torch.manual_seed(cfg.seed)
-    return build_model(cfg).state_dict()
+    return model_of(cfg).state_dict()
 
 
 def test_a_skipped_first_step_leaves_parameters_and_optimizer_untouched(tmp_path):
@@ -85,12 +85,11 @@ BN = ["--model", "mini_resnet", "--width", "4", "--norm", "batch", "--batch_size
 def evaluate_alone(run_dir: Path) -> tuple[float, float]:
     """(loss, accuracy) of RUN_DIR/model.safetensors on the run's eval split, in this one process."""
     from ddptrain.config import resolve_config
-    from ddptrain.data.pipeline import build_datasets
-    from ddptrain.models import build_model
+    from ddptrain.loop.plugins import datasets_of, model_of
 
     cfg = resolve_config(["--config", str(run_dir / "config.toml")])
-    _, eval_ds = build_datasets(cfg)
-    model = build_model(cfg)
+    _, eval_ds = datasets_of(cfg)
+    model = model_of(cfg)
     model.load_state_dict(load_file(str(run_dir / "model.safetensors")))
     model.eval()
     inputs = torch.stack([eval_ds[i][0] for i in range(len(eval_ds))])

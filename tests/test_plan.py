@@ -39,7 +39,7 @@ def test_ddp_buckets_match_what_ddp_all_reduces(tmp_path, model, cap_mb):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddptrain.models import build_model
+    from ddptrain.loop.plugins import model_of
 
     cfg = TrainConfig(model=model, width=64, image_size=8)
     seen: list[int] = []
@@ -54,7 +54,7 @@ def test_ddp_buckets_match_what_ddp_all_reduces(tmp_path, model, cap_mb):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        module = build_model(cfg)
+        module = model_of(cfg)
         ddp = DDP(module, bucket_cap_mb=cap_mb)
         ddp.register_comm_hook(None, hook)
         for _ in range(3):  # DDP rebuilds its buckets in the order gradients arrived after the first step
@@ -286,7 +286,7 @@ def test_the_meta_forward_counts_activations_by_unit_in_forward_order_without_pa
                       num_layers=3, num_heads=2, batch_size=4, vocab_parallel=False)
     shape = memplan.model_shape(cfg)
     assert [u.name for u in shape.units] == ["blocks.0", "blocks.1", "blocks.2", "root"]
-    assert shape.elements == sum(p.numel() for p in __import__("ddptrain.models", fromlist=["x"]).build_model(cfg)
+    assert shape.elements == sum(p.numel() for p in __import__("ddptrain.loop.plugins", fromlist=["x"]).model_of(cfg)
                                  .parameters())
     blocks = [u.activations for u in shape.units[:-1]]
     assert len(set(blocks)) == 1 and blocks[0] > 0  # equal blocks save equal bytes
@@ -329,12 +329,11 @@ def _measured_activation_peak(cfg: TrainConfig) -> int:
     CPU, from torch's profiler (every allocation and free): the gradients exist already (a first step made them)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from ddptrain.loop.tasks import build_task
-    from ddptrain.models import build_model
+    from ddptrain.loop.plugins import model_of, task_of
     from ddptrain.parallel.strategies import recompute_blocks
 
     torch.manual_seed(0)
-    model, task = build_model(cfg), build_task(cfg)
+    model, task = model_of(cfg), task_of(cfg)
     if cfg.activation_checkpointing:
         recompute_blocks(model, cfg.fsdp_blocks)
     batch = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1))

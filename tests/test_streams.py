@@ -69,12 +69,12 @@ class ShuffledIndices(torch.utils.data.IterableDataset):
 
 
 def test_a_stream_that_shuffles_as_it_starts_is_read_alike_by_every_reader():
-    from ddptrain.config import TrainConfig
+    from ddptrain.data.pipeline import Reading
     from ddptrain.data.streams import StreamShard, stream_loader
 
     for rank in (0, 1):  # 2 ranks x 2 loader workers: 4 readers, each must see the same shuffled order
         shard = StreamShard(ShuffledIndices(24), seed=3, rank=rank, world_size=2)
-        loader = stream_loader(shard, TrainConfig(num_workers=2, batch_size=3), torch.device("cpu"), drop_last=False,
+        loader = stream_loader(shard, Reading(workers=2, batch_size=3), torch.device("cpu"), drop_last=False,
                                seed=rank)
         read = [(k, int(x)) for ids, batch in loader for k, x in zip(ids, batch)]
         assert [k % 4 for k, _ in read if k % 4 not in (2 * rank, 2 * rank + 1)] == []

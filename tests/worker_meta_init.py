@@ -29,21 +29,27 @@ from ddptrain.parallel import materialize
 from ddptrain.parallel.strategies import fsdp_blocks
 
 
+def built(cfg: TrainConfig) -> torch.nn.Module:
+    """The module a run of `cfg` builds (the Trainer's call): on the meta device where fsdp can fill it."""
+    return instantiate(cfg.section("data"), cfg.section("finetune"), None, torch.device("cpu"), seed=cfg.seed,
+                       sharded=cfg.strategy != "ddp", channels_last=cfg.channels_last)
+
+
 def sharded(flags: dict, mesh) -> tuple[torch.nn.Module, bool]:
     cfg = TrainConfig(**flags, strategy="fsdp")
-    module = instantiate(cfg, None, torch.device("cpu"))
+    module = built(cfg)
     on_meta = materialize.is_meta(module)
     for block in fsdp_blocks(module, ""):
         fully_shard(block, mesh=mesh)
     fully_shard(module, mesh=mesh)
     if on_meta:
-        source = hf.pretrained_dir(cfg) if hf.is_hf(cfg.model) else None
+        source = hf.pretrained_dir(cfg.section("data")) if hf.is_hf(cfg.model) else None
         materialize.materialize(module, torch.device("cpu"), cfg.seed, source)
     return module, on_meta
 
 
 def differences(module: torch.nn.Module, flags: dict) -> list[str]:
-    whole = instantiate(TrainConfig(**flags, strategy="ddp"), None, torch.device("cpu"))
+    whole = built(TrainConfig(**flags, strategy="ddp"))
     expected = whole.state_dict()
     differ = []
     for name, tensor in module.state_dict().items():
@@ -88,7 +94,7 @@ def main() -> None:
 
         (saved / "hf" / "config.json").write_bytes((models / "llama_index" / "config.json").read_bytes())
         loaded = transformers.AutoModelForCausalLM.from_pretrained(saved / "hf")
-        whole = instantiate(TrainConfig(**cases["llama_index"], strategy="ddp"), None, torch.device("cpu"))
+        whole = built(TrainConfig(**cases["llama_index"], strategy="ddp"))
         report["save"] = {
             "files": sorted(p.name for p in (saved / "hf").iterdir()),
             "equal": all(torch.equal(t, whole.state_dict()[n]) for n, t in loaded.state_dict().items()),

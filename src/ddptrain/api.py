@@ -74,7 +74,8 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
     run_dir = Path(cfg.run_dir)
     runlock.make_dir(run_dir, "--run_dir")
     with (distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx,
-          runlock.held_by_job(ctx, runlock.job_dirs(cfg))):  # before this job writes anything into the run dir
+          # before this job writes anything into the run dir
+          runlock.held_by_job(ctx, runlock.job_dirs(run_dir, cfg.checkpoint_path))):
         log = setup_logging(run_dir, ctx.rank, ctx.world_size, ctx.host)
         if read_launch_env().launched:  # a process of its own (fit in a user's process keeps its name and heap)
             name_worker(ctx.rank, ctx.world_size, run_dir)
@@ -106,7 +107,7 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
             traceback.clear_frames(exc.__traceback__)  # as below: the exception must not keep the Trainer alive
             raise
         except Exception as exc:
-            model_name = plugin_names(cfg, parts or Parts())["model"]
+            model_name = plugin_names(cfg.section("data"), parts or Parts())["model"]
             usage = usage_error_of(exc, trainer.module if trainer is not None else None, model_name)
             if usage is not None:  # torch's words for a user's mistake (DDP's unused parameters): one line
                 traceback.clear_frames(exc.__traceback__)
@@ -149,7 +150,7 @@ def as_task(task: Any) -> Any:
         if task not in BUILTIN_TASKS:
             raise UsageError(f"task={task!r}: not a built-in ({', '.join(BUILTIN_TASKS)}); pass an object with "
                              "loss(model, batch)")
-        return build_task(TrainConfig(task=task))
+        return build_task(TrainConfig(task=task).section("data"))
     return PluginTask(task, type(task).__name__)
 
 
@@ -222,7 +223,7 @@ def launch_workers(cfg: TrainConfig, target: Any, args: tuple) -> Any:
         start_worker_server(cfg.nproc)  # before this process holds anything: workers start from a clean state
         from ddptrain.checkpoints.format import settle_settings  # torch, imported beside the server's import
 
-        with runlock.acquire(runlock.job_dirs(cfg)) as lock:
+        with runlock.acquire(runlock.job_dirs(Path(cfg.run_dir), cfg.checkpoint_path)) as lock:
             settle_settings(cfg)  # with the launch settings
             os.environ[runlock.TOKEN_ENV] = lock.token
             return launch_local(target, args, cfg.nproc, cfg.max_restarts, Path(cfg.run_dir))

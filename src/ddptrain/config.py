@@ -414,11 +414,11 @@ TRAINING_SETTINGS = (
     "amp_dtype", "param_dtype", "reduce_dtype", "seed")
 
 
-def setting_changes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
-    """The training settings whose value in `cfg` differs from `saved` (a checkpoint's config), as
-    "lr 0.01 -> 0.1"; settings the saved config predates are not compared."""
-    return [f"{name} {saved[name]!r} -> {getattr(cfg, name)!r}" for name in TRAINING_SETTINGS
-            if name in saved and saved[name] != getattr(cfg, name)]
+def setting_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The training settings whose value in `now` differs from `saved` (a checkpoint's config; both as
+    `TrainConfig.to_dict` gives them), as "lr 0.01 -> 0.1"; settings the saved config predates are not compared."""
+    return [f"{name} {saved[name]!r} -> {now[name]!r}" for name in TRAINING_SETTINGS
+            if name in saved and saved[name] != now[name]]
 
 
 def settings_digest(cfg: TrainConfig) -> str:
@@ -505,7 +505,8 @@ def section_fields(section: str) -> list[str]:
 _SECTION_TYPES = {name: make_dataclass(f"{name.title()}Settings", [(key, Any) for key in section_fields(name)],
                                        frozen=True) for name in SECTIONS}
 # The sections a component is built from, by name (a TrainConfig has every attribute of each, too).
-DataSettings, TrainingSettings, CheckpointSettings = (_SECTION_TYPES[n] for n in ("data", "training", "checkpoint"))
+(DataSettings, FinetuneSettings, TrainingSettings, ParallelSettings, CheckpointSettings, EvalSettings, ObserveSettings,
+ PerformanceSettings) = (_SECTION_TYPES[name] for name in SECTIONS)
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:

@@ -36,13 +36,13 @@ def check(cfg: TrainConfig) -> None:
         if not continues_line(cfg.checkpoint_path, cfg.resume_from):
             raise UsageError(f"--resume_from {cfg.resume_from}: no such directory; pass a checkpoints/step-N dir")
     for name in parse_trackers(cfg.tracker):
-        require_tracker(name, cfg)
+        require_tracker(name, cfg.section("observe"))
     if cfg.tensorboard:
         require_tensorboard()
     if cfg.model.startswith("hf:"):
         from ddptrain.models import hf
 
-        hf.check_model(cfg)
+        hf.check_model(cfg.section("data"))
     check_data(cfg)
 
 
@@ -71,8 +71,9 @@ def check_data(cfg: TrainConfig) -> None:
     if cfg.dataset.startswith("hf:"):
         from ddptrain.models import hf
 
-        hf.check_dataset(cfg)
-        hf.prepare(cfg)  # tokenized once, here, before the workers start (they find it in the cache)
+        hf.check_dataset(cfg.section("data"))
+        # tokenized once, here, before the workers start (they find it in the cache)
+        hf.prepare(cfg.section("data"), Path(cfg.run_dir))
     elif cfg.dataset in TEXT_DATASETS:
         from ddptrain.data import text  # imports torch and numpy: only when the dataset is asked for
 

@@ -369,7 +369,7 @@ def resume_changes(cfg: Any) -> tuple[Path | None, list[str]]:
         saved = json.loads((path / MANIFEST).read_text()).get("config", {})
     except (OSError, ValueError):  # unreadable: resume's own checks say why, or fall back
         return path, []
-    return path, setting_changes(saved, cfg)
+    return path, setting_changes(saved, cfg.to_dict())
 
 
 def settle_settings(cfg: Any) -> None:

@@ -63,10 +63,9 @@ def make_dir(directory: Path, flag: str) -> None:
         raise UsageError(f"cannot create {directory} ({exc.strerror}); choose a writable {flag}") from None
 
 
-def job_dirs(cfg: Any) -> list[tuple[Path, str]]:
-    """(directory, flag that chooses it) of each directory a job of `cfg` must own: the run dir, and the
-    checkpoint dir where it is not inside the run dir (two run dirs may share one --checkpoint_dir)."""
-    run_dir, checkpoints = Path(cfg.run_dir), cfg.checkpoint_path
+def job_dirs(run_dir: Path, checkpoints: Path) -> list[tuple[Path, str]]:
+    """(directory, flag that chooses it) of each directory a job must own: the run dir, and the checkpoint dir
+    where it is not inside the run dir (two run dirs may share one --checkpoint_dir)."""
     if checkpoints.resolve().is_relative_to(run_dir.resolve()):
         return [(run_dir, "--run_dir")]
     return [(run_dir, "--run_dir"), (checkpoints, "--checkpoint_dir")]

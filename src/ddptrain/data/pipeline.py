@@ -24,6 +24,7 @@ import threading
 from dataclasses import dataclass
 from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -32,7 +33,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorDataset, get_worker_info
 
-from ddptrain.config import TEXT_DATASETS, TrainConfig, load_plugin
+from ddptrain.config import TEXT_DATASETS, DataSettings
 from ddptrain.data.batch import _rebuild
 from ddptrain.data import images, text
 from ddptrain.data.batch import collate as collate_items
@@ -208,25 +209,19 @@ class ShardedEvalSampler:
 
 # --- building datasets and loaders ---------------------------------------------------------------
 
-def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
-    """(train, eval or None) for `--dataset`: a built-in name, a 'pkg.mod:fn' plug-in or 'hf:PATH' records."""
-    if cfg.dataset.startswith("hf:"):
-        return hf.build_datasets(cfg)
-    if ":" in cfg.dataset:
-        result = load_plugin(cfg.dataset, "--dataset")(cfg)
-        if not (isinstance(result, tuple) and len(result) == 2):
-            raise UsageError(f"--dataset {cfg.dataset}: the function must return (train_dataset, eval_dataset "
-                             "or None)")
-        return result
-    if cfg.dataset == "synthetic":
-        shape = dict(num_classes=cfg.num_classes, channels=cfg.in_channels, image_size=cfg.image_size,
-                     seed=cfg.seed)
-        train = SyntheticImages(cfg.dataset_size, **shape)
-        held_out = SyntheticImages(cfg.eval_size, offset=cfg.dataset_size, **shape) if cfg.eval_size else None
+def build_datasets(data: DataSettings, seed: int, run_dir: Path) -> tuple[Dataset, Dataset | None]:
+    """(train, eval or None) for the built-in `--dataset` or 'hf:PATH' records (tokenized into a cache beside
+    them, or in `run_dir`); a 'pkg.mod:fn' plug-in is `loop.plugins`'s."""
+    if data.dataset.startswith("hf:"):
+        return hf.build_datasets(data, run_dir)
+    if data.dataset == "synthetic":
+        shape = dict(num_classes=data.num_classes, channels=data.in_channels, image_size=data.image_size, seed=seed)
+        train = SyntheticImages(data.dataset_size, **shape)
+        held_out = SyntheticImages(data.eval_size, offset=data.dataset_size, **shape) if data.eval_size else None
         return train, held_out
-    if cfg.dataset in TEXT_DATASETS:
-        return text.build(cfg.section("data"))
-    return images.build(cfg.section("data"))
+    if data.dataset in TEXT_DATASETS:
+        return text.build(data)
+    return images.build(data)
 
 
 _END = object()
@@ -512,24 +507,35 @@ class Collate:
         return list(indices), batch
 
 
-def collate_for(dataset: Any, cfg: TrainConfig, collate_fn: Callable[[list[Any]], Any] | None = None) -> Collate:
+def collate_for(dataset: Any, pad_token_id: int, collate_fn: Callable[[list[Any]], Any] | None = None) -> Collate:
     """The collate of `dataset`'s loader: `collate_fn`, else the dataset's own `collate_fn`, else ddptrain's with
-    --pad_token_id (or the dataset's `pad_token_id`, as tokenized hf: datasets carry it, else 0)."""
-    pad_id = cfg.pad_token_id if cfg.pad_token_id >= 0 else getattr(dataset, "pad_token_id", 0)
+    --pad_token_id (-1: the dataset's `pad_token_id`, as tokenized hf: datasets carry it, else 0)."""
+    pad_id = pad_token_id if pad_token_id >= 0 else getattr(dataset, "pad_token_id", 0)
     return Collate(collate_fn or getattr(dataset, "collate_fn", None), pad_id)
 
 
 collate = Collate()  # the default: ddptrain's own, padding with 0
 
 
-def make_loader(dataset: Dataset, batch_sampler: Any, cfg: TrainConfig, device: torch.device,
+@dataclass(frozen=True)
+class Reading:
+    """How a rank's loaders read, from the [data] and [training] sections: --num_workers processes, the run's
+    --seed (each sample's randomness: `SeededSamples`), --pad_token_id (-1: the dataset's) and, for a stream,
+    --batch_size (a map-style loader batches by its sampler)."""
+    workers: int = 0
+    seed: int = 0
+    pad_token_id: int = -1
+    batch_size: int = 1
+
+
+def make_loader(dataset: Dataset, batch_sampler: Any, reading: Reading, device: torch.device,
                 seed: int, collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
-    """A DataLoader over `SeededSamples` keys; yields (indices, batch) pairs."""
-    workers = cfg.num_workers
+    """A DataLoader over `SeededSamples` keys; yields (indices, batch) pairs. `seed`: its own generator's."""
+    workers = reading.workers
     return DataLoader(
-        SeededSamples(dataset, cfg.seed),
+        SeededSamples(dataset, reading.seed),
         batch_sampler=batch_sampler,
-        collate_fn=collate_for(dataset, cfg, collate_fn),
+        collate_fn=collate_for(dataset, reading.pad_token_id, collate_fn),
         num_workers=workers,
         pin_memory=device.type == "cuda",
         persistent_workers=workers > 0,  # no restart of workers (and re-import of the dataset) per epoch

@@ -31,8 +31,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils import worker as worker_state
 
-from ddptrain.config import TrainConfig
 from ddptrain.data.pipeline import (
+    Reading,
     collate_for,
     epoch_batches,
     mix_seed,
@@ -151,11 +151,12 @@ class StreamPosition:
         self.done = {int(k): v for k, v in state["done"].items()}
 
 
-def stream_loader(shard: StreamShard, cfg: TrainConfig, device: torch.device, drop_last: bool,
+def stream_loader(shard: StreamShard, reading: Reading, device: torch.device, drop_last: bool,
                   seed: int, collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
-    workers = cfg.num_workers
-    return DataLoader(shard, batch_size=cfg.batch_size, drop_last=drop_last,
-                      collate_fn=collate_for(shard.dataset, cfg, collate_fn), num_workers=workers, pin_memory=device.type == "cuda",
+    workers = reading.workers
+    return DataLoader(shard, batch_size=reading.batch_size, drop_last=drop_last,
+                      collate_fn=collate_for(shard.dataset, reading.pad_token_id, collate_fn), num_workers=workers,
+                      pin_memory=device.type == "cuda",
                       generator=torch.Generator().manual_seed(seed),  # never draws from the global RNG
                       # workers start anew each epoch: a persistent worker would keep the old epoch and position
                       persistent_workers=False, prefetch_factor=4 if workers > 0 else None,

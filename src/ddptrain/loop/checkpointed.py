@@ -32,7 +32,7 @@ from torch import nn
 
 from ddptrain.checkpoints import shards
 from ddptrain.checkpoints.format import Loaded, Position, Snapshot, changed_settings_error
-from ddptrain.config import setting_changes
+from ddptrain.config import CheckpointSettings, setting_changes
 from ddptrain.data.pipeline import mix_seed
 from ddptrain.errors import UsageError
 from ddptrain.loop.state import MetricWindow, rng_state, seed_rank_rngs, set_rng_state
@@ -320,24 +320,25 @@ class RunState:
                 state.update(part.rank_state_dict())
         return state
 
-    def resume(self, checkpoints: Any, cfg: Any, ctx: Any) -> Loaded | None:
-        """Restore the newest usable checkpoint (or --resume_from), refused if it was trained under other
-        settings (unless --accept_config_change) or on another tokenizer; the checkpoint, or None. All ranks."""
+    def resume(self, checkpoints: Any, checkpoint: CheckpointSettings, ctx: Any) -> Loaded | None:
+        """Restore the newest usable checkpoint (or --resume_from: the [checkpoint] section), refused if it was
+        trained under other settings (unless --accept_config_change) or on another tokenizer; the checkpoint, or
+        None. All ranks."""
         model = self.parts["model"]
         if model.frozen:
             model.fingerprint()  # now, on every rank (sharded: a collective), not inside a later save
-        if not (cfg.resume_from or cfg.auto_resume):
+        if not (checkpoint.resume_from or checkpoint.auto_resume):
             return None
-        loaded = checkpoints.resume(cfg.resume_from, model.checkpointed(model.module.state_dict()),
-                                    continue_line=cfg.auto_resume)
+        loaded = checkpoints.resume(checkpoint.resume_from, model.checkpointed(model.module.state_dict()),
+                                    continue_line=checkpoint.auto_resume)
         if loaded is None:
             return None
-        changes = setting_changes(loaded.manifest["config"], cfg)
+        changes = setting_changes(loaded.manifest["config"], self.config)
         saved_digest, digest = loaded.trainer.get("tokenizer_digest"), self.parts["trainer"].tokenizer_digest
         if saved_digest and digest and saved_digest != digest:  # the same path, retrained: other token ids
-            changes.append(f"tokenizer {cfg.tokenizer}: its files changed (sha256 {saved_digest[:12]} -> "
+            changes.append(f"tokenizer {self.config['tokenizer']}: its files changed (sha256 {saved_digest[:12]} -> "
                            f"{digest[:12]})")
-        if changes and not cfg.accept_config_change:
+        if changes and not checkpoint.accept_config_change:
             raise UsageError(changed_settings_error(loaded.path, changes))
         if changes and ctx.is_main:
             log.warning("continuing %s with changed training settings (--accept_config_change): %s",

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.checkpoints.format import BEST_ABOUT, read_json, safetensors_bytes, write_atomic
+from ddptrain.config import DataSettings
 from ddptrain.errors import TrainingError
 from ddptrain.loop.checkpointed import ModelState, RankStates
 from ddptrain.models import hf, lora
@@ -18,10 +19,12 @@ log = logging.getLogger("ddptrain")
 class FinalWeights:
     """The final weights of a run, their step, and where they are written. All methods: all ranks."""
 
-    def __init__(self, cfg: Any, ctx: Any, run_dir: Path, model: ModelState, checkpoints: Any, ema: Any):
-        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
+    def __init__(self, data: DataSettings, ctx: Any, run_dir: Path, model: ModelState, checkpoints: Any, ema: Any):
+        self.data, self.ctx, self.run_dir = data, ctx, run_dir  # [data]: the model and tokenizer the files name
         self.model, self.checkpoints, self.ema = model, checkpoints, ema
         self.step = 0  # the step of the weights the final files hold
+        if hf.is_transformers(model.module) and ctx.is_main:  # now: a run that fails later leaves it too
+            model.module.config.save_pretrained(run_dir / hf.HF_DIR)  # what `ddptrain export --hf` rebuilds it from
 
     def load_best(self, last_step: int) -> None:
         """best/'s weights into the model (and its average into the EMA), so that the final weights are the best
@@ -55,13 +58,13 @@ class FinalWeights:
         RUN_DIR/model_ema.safetensors."""
         parallel, module, frozen = self.model.parallel, self.model.module, self.model.frozen
         step = {"step": str(self.step)}
-        ema_meta = {**step, "ema_decay": repr(self.cfg.ema_decay)}
+        ema_meta = {**step, "ema_decay": repr(self.ema.decay if self.ema is not None else 0.0)}
         if parallel.sharded and not frozen:  # (LoRA's adapters: below)
             # Streamed a tensor at a time: no rank gathers the whole model. RUN_DIR/hf/ in HF's sharded layout.
             hf_dir = self.run_dir / hf.HF_DIR if hf.is_transformers(module) else None
             parallel.export(self.run_dir / "model.safetensors", step, hf_dir)
             if hf_dir is not None and self.ctx.is_main:
-                hf.save_pretrained_files(self.cfg, module, hf_dir)
+                hf.save_pretrained_files(self.data, module, hf_dir)
             if self.ema is not None:
                 with self.ema.swapped_in(module):
                     parallel.export(self.run_dir / "model_ema.safetensors", ema_meta)
@@ -72,9 +75,9 @@ class FinalWeights:
             write_atomic(self.run_dir / "model.safetensors", safetensors_bytes(state, metadata=step))
             if frozen:
                 lora.save_adapter(module, state, self.run_dir / lora.ADAPTER_DIR)
-                hf.copy_tokenizer(self.cfg, self.run_dir / lora.ADAPTER_DIR)  # base + adapter + tokenizer: all it takes
+                hf.copy_tokenizer(self.data, self.run_dir / lora.ADAPTER_DIR)  # base + adapter + tokenizer: all it takes
             elif hf.is_transformers(module):
-                hf.save_pretrained(self.cfg, state, self.run_dir / hf.HF_DIR, module)
+                hf.save_pretrained(self.data, state, self.run_dir / hf.HF_DIR, module)
         if self.ema is not None:
             with self.ema.swapped_in(module):  # a replica's state dict holds the parameters themselves:
                 averaged = {k: v.clone() for k, v in parallel.state_dict(frozen).items()}  # copy before the swap back

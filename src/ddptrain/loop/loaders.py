@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from ddptrain.config import TrainConfig
-from ddptrain.data.pipeline import BatchLayout, GlobalOrderSampler, ShardedEvalSampler, make_loader, mix_seed
+from ddptrain.config import DataSettings, TrainingSettings
+from ddptrain.data.pipeline import BatchLayout, GlobalOrderSampler, Reading, ShardedEvalSampler, make_loader, mix_seed
 from ddptrain.data.streams import StreamPosition, StreamShard, readers_per_rank, stream_loader
 from ddptrain.errors import UsageError
 from ddptrain.parallel.distributed import DistributedContext
@@ -56,36 +56,38 @@ class Loaders:
                 loader._iterator = None  # persistent workers: the iterator's __del__ sends them the stop
 
 
-def build_loaders(cfg: TrainConfig, ctx: DistributedContext, layout: BatchLayout, train_ds: Any,
-                  eval_ds: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Loaders:
-    """The run's loaders; `collate_fn` (fit's) turns a list of items into a batch (default: see data.Collate)."""
-    note_loader_processes(cfg, ctx)
-    device = ctx.device
-    train_seed, eval_seed = mix_seed(cfg.seed, 4, ctx.rank), mix_seed(cfg.seed, 5, ctx.rank)
+def build_loaders(data: DataSettings, training: TrainingSettings, ctx: DistributedContext, layout: BatchLayout,
+                  train_ds: Any, eval_ds: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Loaders:
+    """The run's loaders, from the [data] and [training] sections; `collate_fn` (fit's) turns a list of items into
+    a batch (default: see data.Collate)."""
+    note_loader_processes(data.num_workers, ctx)
+    device, seed = ctx.device, training.seed
+    reading = Reading(data.num_workers, seed, data.pad_token_id, training.batch_size)
+    train_seed, eval_seed = mix_seed(seed, 4, ctx.rank), mix_seed(seed, 5, ctx.rank)
     if isinstance(eval_ds, IterableDataset):
-        eval_loader = stream_loader(StreamShard(eval_ds, cfg.seed, ctx.rank, ctx.world_size), cfg, device,
+        eval_loader = stream_loader(StreamShard(eval_ds, seed, ctx.rank, ctx.world_size), reading, device,
                                     drop_last=False, seed=eval_seed, collate_fn=collate_fn)
     elif eval_ds is not None and len(eval_ds) > 0:
-        eval_sampler = ShardedEvalSampler(len(eval_ds), cfg.batch_size, ctx.rank, ctx.world_size)
-        eval_loader = make_loader(eval_ds, eval_sampler, cfg, device, seed=eval_seed, collate_fn=collate_fn)
+        eval_sampler = ShardedEvalSampler(len(eval_ds), training.batch_size, ctx.rank, ctx.world_size)
+        eval_loader = make_loader(eval_ds, eval_sampler, reading, device, seed=eval_seed, collate_fn=collate_fn)
     else:
         eval_loader = None
     if isinstance(train_ds, IterableDataset):
-        if not cfg.max_steps:
+        if not training.max_steps:
             raise UsageError("the training dataset is an IterableDataset (a stream without a length): pass "
                              "--max_steps to say how long to train")
-        stream = StreamShard(train_ds, cfg.seed, ctx.rank, ctx.world_size)
-        position = StreamPosition(ctx.world_size * readers_per_rank(cfg.num_workers), ctx.rank, cfg.num_workers)
-        train = stream_loader(stream, cfg, device, drop_last=True, seed=train_seed, collate_fn=collate_fn)
+        stream = StreamShard(train_ds, seed, ctx.rank, ctx.world_size)
+        position = StreamPosition(ctx.world_size * readers_per_rank(data.num_workers), ctx.rank, data.num_workers)
+        train = stream_loader(stream, reading, device, drop_last=True, seed=train_seed, collate_fn=collate_fn)
         return Loaders(layout, train, eval_loader, None, stream, position, None, None, _in_background(train, device))
     num_train = len(train_ds)
     steps_per_epoch = layout.steps_per_epoch(num_train)
     if steps_per_epoch == 0:
-        raise UsageError(f"--batch_size {cfg.batch_size} x {ctx.world_size} processes x --grad_accum_steps "
-                         f"{cfg.grad_accum_steps} = {layout.global_batch_size} exceeds the {num_train} training "
+        raise UsageError(f"--batch_size {training.batch_size} x {ctx.world_size} processes x --grad_accum_steps "
+                         f"{training.grad_accum_steps} = {layout.global_batch_size} exceeds the {num_train} training "
                          "samples; lower one of them")
-    sampler = GlobalOrderSampler(num_train, layout, ctx.rank, cfg.seed)
-    train = make_loader(train_ds, sampler, cfg, device, seed=train_seed, collate_fn=collate_fn)
+    sampler = GlobalOrderSampler(num_train, layout, ctx.rank, seed)
+    train = make_loader(train_ds, sampler, reading, device, seed=train_seed, collate_fn=collate_fn)
     return Loaders(layout, train, eval_loader, sampler, None, None, num_train, steps_per_epoch,
                    _in_background(train, device))
 
@@ -96,11 +98,11 @@ def _in_background(train: DataLoader, device: Any) -> bool:
     return device.type == "cpu" and train.num_workers > 0
 
 
-def note_loader_processes(cfg: TrainConfig, ctx: DistributedContext) -> None:
+def note_loader_processes(workers: int, ctx: DistributedContext) -> None:
     """One warning on rank 0 when this host's ranks start more loader workers than the ranks may use cores."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    busy = cfg.num_workers * ctx.local_world_size  # the training loaders' workers, all reading at once
+    busy = workers * ctx.local_world_size  # the training loaders' workers, all reading at once
     if ctx.is_main and busy > cores:
         log.warning("--num_workers %d on %d ranks of this host: %d training-loader processes for %d CPU cores; "
                     "lower --num_workers (0 loads in the training process) if loading slows training",
-                    cfg.num_workers, ctx.local_world_size, busy, cores)
+                    workers, ctx.local_world_size, busy, cores)

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ddptrain.config import DataSettings
 from ddptrain.data.batch import to_device
 from ddptrain.data.pipeline import SeededSamples
 from ddptrain.errors import TrainingError, UsageError, first_line
@@ -67,7 +68,7 @@ class _FirstBatch:
         cfg = self.cfg = trainer.cfg
         self.trainer, self.ctx, self.module, self.autocast = trainer, trainer.ctx, trainer.module, autocast
         self.task = _own_copy(trainer.task)
-        names = plugin_names(cfg, parts)
+        names = plugin_names(cfg.section("data"), parts)
         self.dataset_name, self.model_name, self.task_name = names["dataset"], names["model"], names["task"]
         self.batch: Any = None
 
@@ -293,12 +294,12 @@ def _unused_message(model_name: str, unused: list[str], by: str) -> str:
             "--find_unused_parameters, freeze them (requires_grad_(False)), or use them in the loss")
 
 
-def plugin_names(cfg: Any, parts: Parts) -> dict[str, str]:
+def plugin_names(data: DataSettings, parts: Parts) -> dict[str, str]:
     """How a message names the run's dataset, model and task: as the command line or `fit` gave them."""
     fit = "given to ddptrain.fit"
-    return {"dataset": f"the train_data {fit}" if parts.datasets is not None else f"--dataset {cfg.dataset}",
-            "model": f"the model {fit}" if parts.model is not None else f"--model {cfg.model}",
-            "task": f"the task {fit}" if parts.task is not None else f"--task {cfg.task}"}
+    return {"dataset": f"the train_data {fit}" if parts.datasets is not None else f"--dataset {data.dataset}",
+            "model": f"the model {fit}" if parts.model is not None else f"--model {data.model}",
+            "task": f"the task {fit}" if parts.task is not None else f"--task {data.task}"}
 
 
 DDP_UNUSED = "Expected to have finished reduction in the prior iteration"

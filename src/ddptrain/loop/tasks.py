@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddptrain.config import BUILTIN_TASKS, TrainConfig, load_plugin
+from ddptrain.config import BUILTIN_TASKS, DataSettings
 from ddptrain.errors import UsageError
 
 Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -270,14 +270,13 @@ class PluginTask:
 TASK_CLASSES = (Classification, Regression, LanguageModel, PluginTask)
 
 
-def build_task(cfg: TrainConfig) -> Task:
-    """The task named by `--task`: a built-in or a 'pkg.mod:fn' plug-in."""
-    if ":" in cfg.task:
-        return PluginTask(load_plugin(cfg.task, "--task")(cfg), cfg.task)
-    if cfg.task == "classification":
-        return Classification(cfg.top_k)
-    if cfg.task == "regression":
+def build_task(data: DataSettings) -> Task:
+    """The built-in task `--task` names (a 'pkg.mod:fn' plug-in is `loop.plugins`'s)."""
+    if data.task == "classification":
+        return Classification(data.top_k)
+    if data.task == "regression":
         return Regression()
-    if cfg.task == "language_model":
+    if data.task == "language_model":
         return LanguageModel()
-    raise UsageError(f"--task {cfg.task!r}: not a built-in ({', '.join(BUILTIN_TASKS)}) nor a 'pkg.mod:fn' plug-in")
+    raise UsageError(f"--task {data.task!r}: not a built-in ({', '.join(BUILTIN_TASKS)}); a plug-in 'pkg.mod:fn' is "
+                     "built by ddptrain.loop.plugins")

@@ -22,7 +22,7 @@ import ddptrain
 from ddptrain.checkpoints.format import Position, write_atomic
 from ddptrain.checkpoints.manager import CheckpointManager, SaveSchedule
 from ddptrain.config import TrainConfig
-from ddptrain.data.pipeline import BatchLayout, build_datasets, epoch_batches
+from ddptrain.data.pipeline import BatchLayout, epoch_batches
 from ddptrain.data.streams import stream_batches
 from ddptrain.errors import Preempted
 from ddptrain.faults import FaultInjector
@@ -33,11 +33,11 @@ from ddptrain.loop.evaluator import Evaluator
 from ddptrain.loop.finish import FinalWeights
 from ddptrain.loop.loaders import build_loaders
 from ddptrain.loop.optim import build_optimizer, build_scheduler, parameter_groups, peak_lr
+from ddptrain.loop.plugins import plugged
 from ddptrain.loop.preempt import StopSignals
 from ddptrain.loop.sanity import check_first_batch
 from ddptrain.loop.state import MetricWindow, seed_rank_rngs
 from ddptrain.loop.step import SampleLog, StepRunner, StepServices, make_autocast
-from ddptrain.loop.tasks import build_task
 from ddptrain.loop.train_log import Clock, TrainLog
 from ddptrain.models import hf, instantiate
 from ddptrain.observe import perf
@@ -61,23 +61,22 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, ctx: DistributedContext, run_dir: Path, parts: Parts | None = None):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
-        parts = parts or Parts()
-        self.task = parts.task if parts.task is not None else build_task(cfg)
+        parts, data, training = parts or Parts(), cfg.section("data"), cfg.section("training")
+        built = plugged(cfg, parts)  # the task, data and model the config names where the user's code gave none
+        self.task, (train_ds, eval_ds) = built.task, built.datasets
         # Data first: its size decides the schedule. Global batch = micro batch x world x accumulation.
-        train_ds, eval_ds = parts.datasets if parts.datasets is not None else build_datasets(cfg)
         layout = BatchLayout(cfg.batch_size, ctx.world_size, cfg.grad_accum_steps)
-        self.data = build_loaders(cfg, ctx, layout, train_ds, eval_ds, parts.collate_fn)
+        self.data = build_loaders(data, training, ctx, layout, train_ds, eval_ds, parts.collate_fn)
         # The model, identical on every rank (DDP would broadcast rank 0's anyway), LoRA's adapters injected.
-        self.module = module = instantiate(cfg, parts.model, ctx.device)
-        if hf.is_transformers(module) and ctx.is_main:
-            module.config.save_pretrained(self.run_dir / hf.HF_DIR)  # what `ddptrain export --hf` rebuilds it from
+        self.module = module = instantiate(data, cfg.section("finetune"), built.model, ctx.device, seed=cfg.seed,
+                                           sharded=cfg.strategy != "ddp", channels_last=cfg.channels_last)
         # Counted before the per-rank RNG streams start: reading a sample may draw augmentation randomness. A model
         # built on the meta device (fsdp: filled after sharding) is counted there, on a meta copy of the sample.
         on = torch.device("meta") if any(p.is_meta for p in module.parameters()) else ctx.device
         flops = (perf.task_flops_per_sample(module, self.task, train_ds, on, self.data.train.collate_fn)
                  if ctx.is_main else 0.0)
         warn_unsynced_batchnorm(module, cfg.strategy, cfg.batch_size, ctx)
-        fill = (cfg.seed, hf.pretrained_dir(cfg) if hf.is_hf(cfg.model) else None)  # of a model built on meta
+        fill = (cfg.seed, hf.pretrained_dir(data) if hf.is_hf(cfg.model) else None)  # of a model built on meta
         self.parallel = build_parallel(module, ctx, cfg.section("parallel"), cfg.section("performance"), cfg.use_amp,
                                        fill)  # then its strategy's wrapper
         optim = self._build_optimization(parts)
@@ -90,7 +89,7 @@ class Trainer:
         self.position = Position(step=0, epoch=0, cursor=0, global_batch_size=layout.global_batch_size,
                                  world_size=ctx.world_size)
         self._build_services(flops, autocast)
-        self.stepper = StepRunner(cfg.section("training"), cfg.section("performance"), ctx, self.parallel, self.task,
+        self.stepper = StepRunner(training, cfg.section("performance"), ctx, self.parallel, self.task,
                                 self.optimizer, optim.scaler, autocast,
                                 StepServices(self.watchdog, self.profiler, self.train_log.clock, self.window,
                                              self.injector, self.sample_log))
@@ -104,7 +103,7 @@ class Trainer:
                               StreamState(self.data.stream_position, cfg.num_workers),
                               CallbackState(self.callbacks, self.run_view),
                               RngState(ctx.device, cfg.seed))
-        self.final = FinalWeights(cfg, ctx, run_dir, model, self.checkpoints, self.callbacks.ema)
+        self.final = FinalWeights(data, ctx, run_dir, model, self.checkpoints, self.callbacks.ema)
         # --max_time counts from the launch; where no launcher set its time, from here.
         self.signals = StopSignals(cfg.max_time)
 
@@ -143,7 +142,8 @@ class Trainer:
         self.profiler = StepProfiler(cfg.enable_profiling, run_dir, ctx.rank, cfg.profile_wait,
                                      cfg.profile_warmup, cfg.profile_active)
         self.vote = LaggedVote(ctx, cfg.control_interval)
-        self.trackers = Trackers.of_run(cfg, ctx, run_dir, ddptrain.__version__) if ctx.is_main else None
+        self.trackers = (Trackers.of_run(cfg.section("observe"), ctx, run_dir, ddptrain.__version__, cfg.to_dict(),
+                                         resume=cfg.auto_resume) if ctx.is_main else None)
         self.sinks = MetricSinks(run_dir, cfg.tensorboard, self.trackers) if ctx.is_main else None
         self.window = MetricWindow(device, cfg.log_interval)
         self.train_log = TrainLog(ctx, self.sinks, Clock(device), self.data.layout.global_batch_size, self.task.unit,
@@ -364,7 +364,7 @@ class Trainer:
         if self.ctx.is_main:
             for marker in (PREEMPTED_MARKER, FINISHED_MARKER):
                 (self.run_dir / marker).unlink(missing_ok=True)
-        loaded = self.state.resume(self.checkpoints, self.cfg, self.ctx)
+        loaded = self.state.resume(self.checkpoints, self.cfg.section("checkpoint"), self.ctx)
         if loaded is not None:
             self.stepper.optimizer_stepped = bool(self.optimizer.state)
             self._first_step = self.checkpoints.last_saved_step = self.position.step

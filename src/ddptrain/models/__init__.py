@@ -1,5 +1,6 @@
-"""Models: the built-in ones, the factory that also accepts 'pkg.mod:fn' plug-ins, and Hugging Face models
-(`hf`: `--model hf:...` and the tokenized `--dataset hf:...` they train on).
+"""Models: the built-in ones, built from the [data] section, and Hugging Face models (`hf`: `--model hf:...` and
+the tokenized `--dataset hf:...` they train on). A 'pkg.mod:fn' plug-in is called with the whole config, by
+`loop.plugins`.
 
 `ddptrain.models` is public: a plug-in may use its builders and `eval_mode`.
 
@@ -15,7 +16,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ddptrain.config import TrainConfig, load_plugin
+from ddptrain.config import DataSettings, FinetuneSettings
 from ddptrain.errors import UsageError
 from ddptrain.models import hf, lora, meta
 
@@ -157,60 +158,57 @@ class GPT(nn.Module):
 BUILT_IN = ("mini_resnet", "mlp", "gpt")
 
 
-def meta_buildable(cfg: TrainConfig) -> bool:
-    """Whether `--model` is built on the meta device: under fsdp/hsdp, a built-in or a transformers model from a
-    local directory (a config.json, or safetensors weights), whose init or weights parallel/materialize.py
+def meta_buildable(data: DataSettings, *, sharded: bool, channels_last: bool) -> bool:
+    """Whether `--model` is built on the meta device: `sharded` (fsdp/hsdp), a built-in or a transformers model
+    from a local directory (a config.json, or safetensors weights), whose init or weights parallel/materialize.py
     fills shard by shard, LoRA's adapters included. The rest (plug-ins, hub names, .bin weights, SyncBatchNorm,
     channels_last) is built whole on every rank, then sharded."""
-    if cfg.strategy not in ("fsdp", "hsdp") or cfg.sync_batchnorm or cfg.channels_last:
+    if not sharded or data.sync_batchnorm or channels_last:
         return False
-    if cfg.model.startswith("hf:"):
-        return hf.local_source(cfg) is not None
-    return cfg.model in BUILT_IN
+    if data.model.startswith("hf:"):
+        return hf.local_source(data) is not None
+    return data.model in BUILT_IN
 
 
-def build_model(cfg: TrainConfig, on_meta: bool = False) -> nn.Module:
-    """The model named by `--model`. Call with the same seed on every rank (DDP also broadcasts rank 0's).
-    `on_meta` (under `torch.device("meta")`): a transformers model from its config alone, weights unread."""
-    if cfg.model.startswith("hf:"):
-        return hf.build_model(cfg, on_meta)
-    if ":" in cfg.model:
-        model = load_plugin(cfg.model, "--model")(cfg)
-        if not isinstance(model, nn.Module):
-            raise UsageError(f"--model {cfg.model}: the function returned {type(model).__name__}, "
-                             "not a torch.nn.Module")
-        return model
-    if cfg.model == "mini_resnet":
-        return MiniResNet(cfg.in_channels, cfg.num_classes, cfg.width, cfg.norm)
-    if cfg.model == "mlp":
-        return MLP(cfg.in_channels * cfg.image_size ** 2, cfg.num_classes, hidden=cfg.width)
-    if cfg.model == "gpt":
-        return GPT(cfg.vocab_size, cfg.seq_len, cfg.width, cfg.num_layers, cfg.num_heads)
-    raise UsageError(f"--model {cfg.model!r}: unknown")
+def build_model(data: DataSettings, on_meta: bool = False) -> nn.Module:
+    """The built-in or transformers model `--model` names. Call with the same seed on every rank (DDP also
+    broadcasts rank 0's). `on_meta` (under `torch.device("meta")`): a transformers model from its config alone,
+    weights unread."""
+    if data.model.startswith("hf:"):
+        return hf.build_model(data, on_meta)
+    if data.model == "mini_resnet":
+        return MiniResNet(data.in_channels, data.num_classes, data.width, data.norm)
+    if data.model == "mlp":
+        return MLP(data.in_channels * data.image_size ** 2, data.num_classes, hidden=data.width)
+    if data.model == "gpt":
+        return GPT(data.vocab_size, data.seq_len, data.width, data.num_layers, data.num_heads)
+    raise UsageError(f"--model {data.model!r}: not a built-in ({', '.join(BUILT_IN)}); a plug-in 'pkg.mod:fn' is "
+                     "built by ddptrain.loop.plugins")
 
 
-def instantiate(cfg: TrainConfig, model: nn.Module | Callable[[TrainConfig], nn.Module] | None,
-                device: torch.device) -> nn.Module:
-    """The run's module on `device`: `model` itself, `model(cfg)`, or `--model`'s, built after seeding with
-    --seed so that init is identical on every rank; SyncBatchNorm and channels_last as the config asks; then
-    LoRA's adapters (--lora_rank), whose init draws next from the same seeded RNG."""
-    torch.manual_seed(cfg.seed)
-    adapt = functools.partial(lora.apply, cfg=cfg) if cfg.lora_rank else None
-    if model is None and meta_buildable(cfg):
+def instantiate(data: DataSettings, finetune: FinetuneSettings, model: nn.Module | Callable[[], nn.Module] | None,
+                device: torch.device, *, seed: int, sharded: bool, channels_last: bool) -> nn.Module:
+    """The run's module on `device`: `model` itself, what `model()` builds (`loop.plugins.model_maker`), or
+    `--model`'s built-in, built after seeding with `seed` so that init is identical on every rank; SyncBatchNorm
+    and channels_last as asked; then LoRA's adapters (--lora_rank), whose init draws next from the same seeded
+    RNG."""
+    torch.manual_seed(seed)
+    adapt = functools.partial(lora.apply, finetune=finetune, model=data.model) if finetune.lora_rank else None
+    if model is None and meta_buildable(data, sharded=sharded, channels_last=channels_last):
         # Sharded: no tensor of it is allocated until each rank fills its own shards after fully_shard
         # (parallel/materialize.py replays this seeded init there, per module).
-        built = meta.build(lambda: build_model(cfg, on_meta=True), adapt, transformers=cfg.model.startswith("hf:"))
+        built = meta.build(lambda: build_model(data, on_meta=True), adapt, transformers=data.model.startswith("hf:"))
         if built is not None:
             return built
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(seed)
     if model is None:
-        model = build_model(cfg)
+        model = build_model(data)
     elif not isinstance(model, nn.Module):
-        model = model(cfg)
+        model = model()
     module = model.to(device)
-    if cfg.sync_batchnorm:
+    if data.sync_batchnorm:
         module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    if cfg.channels_last:
+    if channels_last:
         module = module.to(memory_format=torch.channels_last)
     return adapt(module) if adapt is not None else module
 

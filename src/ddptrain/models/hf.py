@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddptrain.config import TrainConfig
+from ddptrain.config import DataSettings
 from ddptrain.errors import UsageError, first_line
 from ddptrain.models import chat
 
@@ -68,52 +68,52 @@ def require(package: str, flag: str) -> Any:
 
 # --- models ------------------------------------------------------------------------------------
 
-def _auto_class(cfg: TrainConfig) -> Any:
-    transformers = require("transformers", f"--model {cfg.model}")
-    if cfg.task == "language_model":
+def _auto_class(data: DataSettings) -> Any:
+    transformers = require("transformers", f"--model {data.model}")
+    if data.task == "language_model":
         return transformers.AutoModelForCausalLM
-    if cfg.task == "classification":
+    if data.task == "classification":
         return transformers.AutoModelForSequenceClassification
-    raise UsageError(f"--model {cfg.model}: a transformers model trains with --task language_model (a causal LM) "
-                     f"or --task classification (sequence classification), not --task {cfg.task}")
+    raise UsageError(f"--model {data.model}: a transformers model trains with --task language_model (a causal LM) "
+                     f"or --task classification (sequence classification), not --task {data.task}")
 
 
 def _has_weights(directory: Path) -> bool:
     return any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin"))
 
 
-def check_model(cfg: TrainConfig) -> None:
+def check_model(data: DataSettings) -> None:
     """What can be known before any process starts: a local directory holds a config.json."""
-    source = cfg.model[len(PREFIX):]
+    source = data.model[len(PREFIX):]
     if not source:
         raise UsageError("--model hf: name a model: hf:DIR (a save_pretrained directory, or one with a config.json) "
                          "or hf:ORG/NAME (a hub model)")
-    if cfg.task not in ("language_model", "classification"):
-        _auto_class(cfg)  # raises the task error
+    if data.task not in ("language_model", "classification"):
+        _auto_class(data)  # raises the task error
     path = Path(source)
     if not path.exists() and (source.startswith((".", "/", "~")) or source.count("/") > 1):
         # A path, not a hub name (ORG/NAME): the Hub's repo-id error would mislead.
-        raise UsageError(f"--model {cfg.model}: no such directory {path}; pass a save_pretrained directory (or one "
+        raise UsageError(f"--model {data.model}: no such directory {path}; pass a save_pretrained directory (or one "
                          "with a model's config.json)")
     if path.exists() and not (path / "config.json").is_file():
-        raise UsageError(f"--model {cfg.model}: {path} has no config.json; pass a directory written by "
+        raise UsageError(f"--model {data.model}: {path} has no config.json; pass a directory written by "
                          "save_pretrained, or one with a model's config.json")
-    vocab, positions = model_limits(cfg)
-    if positions is not None and cfg.task == "language_model" and cfg.seq_len > positions:
-        raise UsageError(f"--seq_len {cfg.seq_len} is longer than --model {cfg.model}'s {positions} positions "
+    vocab, positions = model_limits(data)
+    if positions is not None and data.task == "language_model" and data.seq_len > positions:
+        raise UsageError(f"--seq_len {data.seq_len} is longer than --model {data.model}'s {positions} positions "
                          f"(config.json); pass --seq_len {positions} or less")
-    if vocab is not None and cfg.tokenizer and (Path(cfg.tokenizer) / "tokenizer.json").is_file():
-        tokens = load_tokenizer(cfg.tokenizer).vocab_size
+    if vocab is not None and data.tokenizer and (Path(data.tokenizer) / "tokenizer.json").is_file():
+        tokens = load_tokenizer(data.tokenizer).vocab_size
         if tokens > vocab:
-            raise UsageError(f"--tokenizer {cfg.tokenizer} has {tokens} tokens, more than --model {cfg.model}'s "
+            raise UsageError(f"--tokenizer {data.tokenizer} has {tokens} tokens, more than --model {data.model}'s "
                              f"vocabulary of {vocab} (config.json): its ids would index past the embedding; use the "
                              "model's own tokenizer, or resize the model's embeddings")
 
 
-def model_limits(cfg: TrainConfig) -> tuple[int | None, int | None]:
+def model_limits(data: DataSettings) -> tuple[int | None, int | None]:
     """(vocabulary size, positions) in the config.json of a local --model hf:DIR; None where it does not say (a
     hub name, a model with relative positions only)."""
-    path = Path(cfg.model[len(PREFIX):]) / "config.json"
+    path = Path(data.model[len(PREFIX):]) / "config.json"
     if not path.is_file():
         return None, None
     config = json.loads(path.read_text())
@@ -123,10 +123,10 @@ def model_limits(cfg: TrainConfig) -> tuple[int | None, int | None]:
     return config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else None, positions
 
 
-def local_source(cfg: TrainConfig) -> Path | None:
+def local_source(data: DataSettings) -> Path | None:
     """The local directory `--model hf:DIR` names if it holds a config.json and no weights or safetensors
     weights (what a model built on the meta device is filled from); None for a hub name or .bin weights."""
-    path = Path(cfg.model[len(PREFIX):])
+    path = Path(data.model[len(PREFIX):])
     if not (path / "config.json").is_file():
         return None
     if _has_weights(path) and not any(path.glob("*.safetensors")):
@@ -134,20 +134,20 @@ def local_source(cfg: TrainConfig) -> Path | None:
     return path
 
 
-def pretrained_dir(cfg: TrainConfig) -> Path | None:
+def pretrained_dir(data: DataSettings) -> Path | None:
     """The save_pretrained directory whose safetensors weights `--model` loads, or None (fresh weights)."""
-    path = local_source(cfg)
+    path = local_source(data)
     return path if path is not None and any(path.glob("*.safetensors")) else None
 
 
-def build_model(cfg: TrainConfig, on_meta: bool = False) -> nn.Module:
+def build_model(data: DataSettings, on_meta: bool = False) -> nn.Module:
     """The transformers model `--model hf:...` names, in fp32 and in training mode. Call after seeding.
     `on_meta`: from the config alone under the caller's meta device: no weight is read or initialised."""
-    auto = _auto_class(cfg)
-    transformers = require("transformers", f"--model {cfg.model}")
-    source = cfg.model[len(PREFIX):]
+    auto = _auto_class(data)
+    transformers = require("transformers", f"--model {data.model}")
+    source = data.model[len(PREFIX):]
     path = Path(source)
-    labels = {"num_labels": cfg.num_classes} if cfg.task == "classification" else {}
+    labels = {"num_labels": data.num_classes} if data.task == "classification" else {}
     try:
         if on_meta or (path.is_dir() and not _has_weights(path)):
             config = transformers.AutoConfig.from_pretrained(path, **labels)
@@ -156,7 +156,7 @@ def build_model(cfg: TrainConfig, on_meta: bool = False) -> nn.Module:
             model = auto.from_pretrained(source, dtype=torch.float32, **labels)
     except OSError as exc:  # not found locally, not on the hub, or offline
         reason = first_line(exc) or type(exc).__name__
-        raise UsageError(f"--model {cfg.model}: cannot load it ({reason}); pass a local directory with a "
+        raise UsageError(f"--model {data.model}: cannot load it ({reason}); pass a local directory with a "
                          "config.json, or a hub name on a machine that can download it") from None
     model.config.use_cache = False  # training: no key/value cache in the outputs
     return model.train()  # from_pretrained returns a model in eval mode
@@ -188,30 +188,30 @@ def enable_activation_checkpointing(module: nn.Module) -> None:
     module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def save_pretrained(cfg: TrainConfig, state: dict[str, torch.Tensor], out_dir: Path,
+def save_pretrained(data: DataSettings, state: dict[str, torch.Tensor], out_dir: Path,
                     module: nn.Module | None = None, source_config: Path | None = None) -> Path:
     """The save_pretrained layout of `state` (a whole model's weights) in `out_dir`, plus the tokenizer's
     files if --tokenizer named one. `module`: the live model (its config), else one rebuilt from the
     config.json in `source_config`, or the model's source."""
     if module is None:
-        module = _skeleton(cfg, source_config)
+        module = _skeleton(data, source_config)
         module.load_state_dict(state)
         state = None
     out_dir.mkdir(parents=True, exist_ok=True)
     module.save_pretrained(out_dir, state_dict=state)
-    save_pretrained_files(cfg, module, out_dir)  # its config as for inference, as RUN_DIR/hf has it
+    save_pretrained_files(data, module, out_dir)  # its config as for inference, as RUN_DIR/hf has it
     return out_dir
 
 
-def copy_tokenizer(cfg: TrainConfig, out_dir: Path) -> None:
+def copy_tokenizer(data: DataSettings, out_dir: Path) -> None:
     """The tokenizer's files beside the weights, if --tokenizer named one."""
-    if cfg.tokenizer:
+    if data.tokenizer:
         for name in TOKENIZER_FILES:
-            if (Path(cfg.tokenizer) / name).is_file():
-                shutil.copyfile(Path(cfg.tokenizer) / name, out_dir / name)
+            if (Path(data.tokenizer) / name).is_file():
+                shutil.copyfile(Path(data.tokenizer) / name, out_dir / name)
 
 
-def save_pretrained_files(cfg: TrainConfig, module: nn.Module, out_dir: Path) -> None:
+def save_pretrained_files(data: DataSettings, module: nn.Module, out_dir: Path) -> None:
     """What save_pretrained writes besides the weights (config, generation config) and the tokenizer's files:
     with weights written in HF's layout beside them, `from_pretrained(out_dir)` loads the model. Configured for
     inference: training turned the key/value cache off (`load`), the files turn it back on."""
@@ -227,21 +227,21 @@ def save_pretrained_files(cfg: TrainConfig, module: nn.Module, out_dir: Path) ->
         generation = copy.deepcopy(generation)
         generation.use_cache = True
         generation.save_pretrained(out_dir)
-    copy_tokenizer(cfg, out_dir)
+    copy_tokenizer(data, out_dir)
 
 
-def _skeleton(cfg: TrainConfig, run_config: Path | None) -> nn.Module:
-    """The model of `cfg`, fresh: from the config.json the run left in `run_config`, or its source's."""
+def _skeleton(data: DataSettings, run_config: Path | None) -> nn.Module:
+    """The model of `data`, fresh: from the config.json the run left in `run_config`, or its source's."""
     transformers = require("transformers", "ddptrain export --hf")
-    auto = _auto_class(cfg)
-    source = Path(cfg.model[len(PREFIX):])
+    auto = _auto_class(data)
+    source = Path(data.model[len(PREFIX):])
     for candidate in (run_config, source):
         if candidate is not None and (candidate / "config.json").is_file():
             return auto.from_config(transformers.AutoConfig.from_pretrained(candidate), dtype=torch.float32)
     try:
         return auto.from_config(transformers.AutoConfig.from_pretrained(str(source)), dtype=torch.float32)
     except OSError as exc:
-        raise UsageError(f"--hf: the run's model {cfg.model} has no config.json to rebuild it from ({exc}); "
+        raise UsageError(f"--hf: the run's model {data.model} has no config.json to rebuild it from ({exc}); "
                          "pass a checkpoint whose model directory still exists") from None
 
 
@@ -300,10 +300,10 @@ def load_tokenizer(directory: str, flag: str = "--tokenizer") -> TextTokenizer:
     return TextTokenizer(path)
 
 
-def pad_token_id(cfg: TrainConfig, tokenizer: TextTokenizer | None) -> int:
+def pad_token_id(data: DataSettings, tokenizer: TextTokenizer | None) -> int:
     """--pad_token_id, else the tokenizer's pad token, else its end-of-text token, else 0."""
-    if cfg.pad_token_id >= 0:
-        return cfg.pad_token_id
+    if data.pad_token_id >= 0:
+        return data.pad_token_id
     for found in ((tokenizer.pad_id, tokenizer.eos_id) if tokenizer is not None else ()):
         if found is not None:
             return found
@@ -323,35 +323,35 @@ def _source(ref: str, flag: str) -> Path:
     return path
 
 
-def check_dataset(cfg: TrainConfig) -> None:
+def check_dataset(data: DataSettings) -> None:
     """The flags of an hf: dataset, before any process starts (the fields are checked against the data when it
     is tokenized)."""
-    _source(cfg.dataset, "--dataset")
-    if cfg.eval_data:
-        _source(cfg.eval_data, "--eval_data")
-    if cfg.task not in ("language_model", "classification"):
-        raise UsageError(f"--dataset {cfg.dataset}: hf datasets are tokenized for --task language_model or "
-                         f"classification, not --task {cfg.task}")
-    if bool(cfg.prompt_field) != bool(cfg.response_field):
+    _source(data.dataset, "--dataset")
+    if data.eval_data:
+        _source(data.eval_data, "--eval_data")
+    if data.task not in ("language_model", "classification"):
+        raise UsageError(f"--dataset {data.dataset}: hf datasets are tokenized for --task language_model or "
+                         f"classification, not --task {data.task}")
+    if bool(data.prompt_field) != bool(data.response_field):
         raise UsageError("--prompt_field and --response_field go together (the prompt is masked, the response "
                          "learnt); pass both, or neither for --text_field")
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    if cfg.model in ("gpt",) and cfg.vocab_size < tokenizer.vocab_size:
-        raise UsageError(f"--vocab_size {cfg.vocab_size} is smaller than --tokenizer {cfg.tokenizer}'s vocabulary "
+    tokenizer = load_tokenizer(data.tokenizer)
+    if data.model in ("gpt",) and data.vocab_size < tokenizer.vocab_size:
+        raise UsageError(f"--vocab_size {data.vocab_size} is smaller than --tokenizer {data.tokenizer}'s vocabulary "
                          f"of {tokenizer.vocab_size}; pass --vocab_size {tokenizer.vocab_size}")
-    require("datasets", f"--dataset {cfg.dataset}")
+    require("datasets", f"--dataset {data.dataset}")
 
 
-def _fields(cfg: TrainConfig, columns: list[str] | None = None) -> list[str]:
+def _fields(data: DataSettings, columns: list[str] | None = None) -> list[str]:
     """The record fields the flags read; chat records' when `columns` (the data's) hold --messages_field and not
     --text_field."""
-    if cfg.task == "classification":
-        return [cfg.text_field, cfg.label_field]
-    if cfg.prompt_field:
-        return [cfg.prompt_field, cfg.response_field]
-    if columns is not None and cfg.messages_field in columns and cfg.text_field not in columns:
-        return [cfg.messages_field]
-    return [cfg.text_field]
+    if data.task == "classification":
+        return [data.text_field, data.label_field]
+    if data.prompt_field:
+        return [data.prompt_field, data.response_field]
+    if columns is not None and data.messages_field in columns and data.text_field not in columns:
+        return [data.messages_field]
+    return [data.text_field]
 
 
 def _read(path: Path, flag: str, cache: Path) -> Any:
@@ -412,26 +412,26 @@ class TokenizedRecords(Dataset):
         return self.data[int(index)]
 
 
-def _tokenize(records: Any, cfg: TrainConfig, tokenizer: TextTokenizer, flag: str, path: Path) -> Any:
+def _tokenize(records: Any, data: DataSettings, tokenizer: TextTokenizer, flag: str, path: Path) -> Any:
     """The records as token ids (and labels): tokenized as inference tokenizes a prompt (the tokenizer's own
     special tokens, a Llama's BOS), ended by its end-of-text token, cut to --seq_len."""
-    fields = _fields(cfg, records.column_names)
+    fields = _fields(data, records.column_names)
     missing = [f for f in fields if f not in records.column_names]
     if missing:
-        flags = {cfg.text_field: "--text_field", cfg.label_field: "--label_field", cfg.prompt_field: "--prompt_field",
-                 cfg.response_field: "--response_field"}
-        reads = ("--task classification reads --text_field and --label_field" if cfg.task == "classification" else
+        flags = {data.text_field: "--text_field", data.label_field: "--label_field", data.prompt_field: "--prompt_field",
+                 data.response_field: "--response_field"}
+        reads = ("--task classification reads --text_field and --label_field" if data.task == "classification" else
                  "--task language_model reads --text_field, --prompt_field with --response_field, or chat records "
-                 f"in --messages_field ({cfg.messages_field})")
+                 f"in --messages_field ({data.messages_field})")
         raise UsageError(f"{flags[missing[0]]} {missing[0]}: {flag} {path} has no such field (it has "
                          f"{', '.join(records.column_names)}; {reads})")
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    limit = cfg.seq_len
+    limit = data.seq_len
     render = None
-    if fields == [cfg.messages_field]:
+    if fields == [data.messages_field]:
         if tokenizer.chat_template is None:
-            raise UsageError(f"{flag} {path}: chat records ({cfg.messages_field}) need a chat template, and --tokenizer "
-                             f"{cfg.tokenizer} has none (tokenizer_config.json's chat_template)")
+            raise UsageError(f"{flag} {path}: chat records ({data.messages_field}) need a chat template, and --tokenizer "
+                             f"{data.tokenizer} has none (tokenizer_config.json's chat_template)")
         render = chat.compile_template(tokenizer.chat_template, tokenizer.special)
 
     def texts(batch: dict[str, list], field: str, first: int) -> list[str]:
@@ -444,24 +444,24 @@ def _tokenize(records: Any, cfg: TrainConfig, tokenizer: TextTokenizer, flag: st
 
     def rows(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         first = indices[0]
-        if cfg.task == "classification":
-            ids = [seq[:limit] for seq in tokenizer.encode(texts(batch, cfg.text_field, first))]
-            return {"input_ids": ids, "labels": [int(label) for label in batch[cfg.label_field]]}
+        if data.task == "classification":
+            ids = [seq[:limit] for seq in tokenizer.encode(texts(batch, data.text_field, first))]
+            return {"input_ids": ids, "labels": [int(label) for label in batch[data.label_field]]}
         if render is not None:
             out: dict[str, list] = {"input_ids": [], "labels": [], "prompt_tokens": []}
-            for i, messages in enumerate(batch[cfg.messages_field]):
+            for i, messages in enumerate(batch[data.messages_field]):
                 where = f"{flag} {path}: record {first + i}"
                 ids, labels = chat.tokenize_chat(chat.check_messages(messages, where), render,
                                                  lambda text: tokenizer.encode([text], special=False)[0],
-                                                 cfg.train_on, where)
+                                                 data.train_on, where)
                 out["input_ids"].append(ids[:limit])
                 out["labels"].append(labels[:limit])
                 out["prompt_tokens"].append(next((j for j, label in enumerate(labels) if label != -100), len(ids)))
             return out
-        if not cfg.prompt_field:
-            return {"input_ids": [(seq + eos)[:limit] for seq in tokenizer.encode(texts(batch, cfg.text_field, first))]}
-        prompts = tokenizer.encode(texts(batch, cfg.prompt_field, first))
-        responses = tokenizer.encode(texts(batch, cfg.response_field, first), special=False)
+        if not data.prompt_field:
+            return {"input_ids": [(seq + eos)[:limit] for seq in tokenizer.encode(texts(batch, data.text_field, first))]}
+        prompts = tokenizer.encode(texts(batch, data.prompt_field, first))
+        responses = tokenizer.encode(texts(batch, data.response_field, first), special=False)
         out = {"input_ids": [], "labels": [], "prompt_tokens": []}
         for prompt, response in zip(prompts, responses):
             out["input_ids"].append((prompt + response + eos)[:limit])
@@ -471,87 +471,87 @@ def _tokenize(records: Any, cfg: TrainConfig, tokenizer: TextTokenizer, flag: st
 
     tokenized = records.map(rows, batched=True, with_indices=True, remove_columns=records.column_names)
     if "prompt_tokens" in tokenized.column_names:
-        _check_cut_off(tokenized["labels"], tokenized["prompt_tokens"], cfg, flag, path)
+        _check_cut_off(tokenized["labels"], tokenized["prompt_tokens"], data, flag, path)
         tokenized = tokenized.remove_columns("prompt_tokens")
     return tokenized
 
 
-def _check_cut_off(labels: list[list[int]], prompt_tokens: list[int], cfg: TrainConfig, flag: str, path: Path) -> None:
+def _check_cut_off(labels: list[list[int]], prompt_tokens: list[int], data: DataSettings, flag: str, path: Path) -> None:
     """Records whose every learnt token --seq_len cut off teach nothing: all of them is exit 2 (the loss would be
     NaN), some of them one line with the count."""
     empty = [i for i, row in enumerate(labels) if all(label == -100 for label in row)]
     if not empty:
         return
     if len(empty) == len(labels):
-        raise UsageError(f"--seq_len {cfg.seq_len}: every record of {flag} {path} has its response cut off (the "
+        raise UsageError(f"--seq_len {data.seq_len}: every record of {flag} {path} has its response cut off (the "
                          f"longest prompt is {max(prompt_tokens)} tokens); raise --seq_len or shorten the prompts")
     print(f"ddptrain: {len(empty)} of {len(labels)} records of {flag} {path} have their response cut off by --seq_len "
-          f"{cfg.seq_len} (first: record {empty[0]}); they train nothing", flush=True)
+          f"{data.seq_len} (first: record {empty[0]}); they train nothing", flush=True)
 
 
-def _key(cfg: TrainConfig, path: Path, tokenizer: TextTokenizer) -> str:
+def _key(data: DataSettings, path: Path, tokenizer: TextTokenizer) -> str:
     h = hashlib.sha256(CACHE_FORMAT.encode())
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for file in files:
         stat = file.stat()
         h.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     h.update(tokenizer.digest().encode())
-    h.update(json.dumps([cfg.task, _fields(cfg), cfg.messages_field, cfg.train_on, cfg.seq_len]).encode())
+    h.update(json.dumps([data.task, _fields(data), data.messages_field, data.train_on, data.seq_len]).encode())
     return h.hexdigest()[:16]
 
 
-def _cache_root(path: Path, cfg: TrainConfig) -> Path:
+def _cache_root(path: Path, run_dir: Path) -> Path:
     """Beside the data (`DATA.ddptrain-cache/`), or in the run dir where the data's directory is read-only."""
     beside = path.parent / f"{path.name}.ddptrain-cache"
     try:
         beside.mkdir(exist_ok=True)
         return beside
     except OSError:
-        fallback = Path(cfg.run_dir) / "tokenized"
+        fallback = run_dir / "tokenized"
         fallback.mkdir(parents=True, exist_ok=True)
         return fallback
 
 
-def prepare(cfg: TrainConfig) -> tuple[Path, Path | None]:
+def prepare(data: DataSettings, run_dir: Path) -> tuple[Path, Path | None]:
     """Tokenize the train and eval records once: (train cache dir, eval cache dir or None). Every process may
     call it: the first builds under a lock, the others wait and find it built."""
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    train_path = _source(cfg.dataset, "--dataset")
-    eval_path = _source(cfg.eval_data, "--eval_data") if cfg.eval_data else None
-    root = _cache_root(train_path, cfg)
-    key = _key(cfg, train_path, tokenizer) + (f"-{_key(cfg, eval_path, tokenizer)}" if eval_path else "")
+    tokenizer = load_tokenizer(data.tokenizer)
+    train_path = _source(data.dataset, "--dataset")
+    eval_path = _source(data.eval_data, "--eval_data") if data.eval_data else None
+    root = _cache_root(train_path, run_dir)
+    key = _key(data, train_path, tokenizer) + (f"-{_key(data, eval_path, tokenizer)}" if eval_path else "")
     built = root / key
     with open(root / ".lock", "a") as lock:
         fcntl.lockf(lock, fcntl.LOCK_EX)
         try:
             if not (built / "done").is_file():
-                _build(cfg, tokenizer, train_path, eval_path, root, built)
+                _build(data, tokenizer, train_path, eval_path, root, built)
         finally:
             fcntl.lockf(lock, fcntl.LOCK_UN)
     return built / "train", (built / "eval") if (built / "eval").is_dir() else None
 
 
-def _build(cfg: TrainConfig, tokenizer: TextTokenizer, train_path: Path, eval_path: Path | None, root: Path,
+def _build(data: DataSettings, tokenizer: TextTokenizer, train_path: Path, eval_path: Path | None, root: Path,
            built: Path) -> None:
     tmp = root / f".{built.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     train, held = _splits(_read(train_path, "--dataset", root))
     if eval_path is not None:
         held, _ = _splits(_read(eval_path, "--eval_data", root))
-    _tokenize(train, cfg, tokenizer, "--dataset", train_path).save_to_disk(str(tmp / "train"))
+    _tokenize(train, data, tokenizer, "--dataset", train_path).save_to_disk(str(tmp / "train"))
     if held is not None:
-        _tokenize(held, cfg, tokenizer, "--eval_data" if eval_path else "--dataset",
+        _tokenize(held, data, tokenizer, "--eval_data" if eval_path else "--dataset",
                   eval_path or train_path).save_to_disk(str(tmp / "eval"))
     (tmp / "done").write_text(json.dumps({"format": CACHE_FORMAT, "records": len(train)}) + "\n")
     shutil.rmtree(built, ignore_errors=True)
     tmp.rename(built)
     shutil.rmtree(root / "raw", ignore_errors=True)  # datasets' own conversion cache: not needed any more
     # Said on stdout: this runs once, often in the launcher before any rank log exists.
-    print(f"ddptrain: tokenized {train_path} with {cfg.tokenizer} into {built}", flush=True)
+    print(f"ddptrain: tokenized {train_path} with {data.tokenizer} into {built}", flush=True)
 
 
-def build_datasets(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
+def build_datasets(data: DataSettings, run_dir: Path) -> tuple[Dataset, Dataset | None]:
     """(train, eval or None) of `--dataset hf:PATH`, tokenized (from the cache when it is there)."""
-    train_dir, eval_dir = prepare(cfg)
-    pad_id = pad_token_id(cfg, load_tokenizer(cfg.tokenizer))
+    train_dir, eval_dir = prepare(data, run_dir)
+    pad_id = pad_token_id(data, load_tokenizer(data.tokenizer))
     return TokenizedRecords(train_dir, pad_id), (TokenizedRecords(eval_dir, pad_id) if eval_dir else None)

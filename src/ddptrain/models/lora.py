@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from ddptrain.config import TrainConfig
+from ddptrain.config import FinetuneSettings
 from ddptrain.errors import UsageError
 
 ADAPTER_NAME = "default"  # peft's name for a model's one adapter
@@ -52,24 +52,25 @@ def default_targets(module: nn.Module) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name in inside})
 
 
-def lora_config(cfg: TrainConfig, module: nn.Module) -> Any:
-    """peft's LoraConfig for the run's flags (targets: --lora_targets, else `default_targets`)."""
+def lora_config(finetune: FinetuneSettings, model: str, module: nn.Module) -> Any:
+    """peft's LoraConfig for the [finetune] section's flags (targets: --lora_targets, else `default_targets`) on
+    `module`, which --model `model` built."""
     peft = _peft()
-    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()] or default_targets(module)
+    targets = [t.strip() for t in finetune.lora_targets.split(",") if t.strip()] or default_targets(module)
     if not targets:
-        raise UsageError(f"--lora_rank {cfg.lora_rank}: the model has no linear layer to adapt; name the layers "
+        raise UsageError(f"--lora_rank {finetune.lora_rank}: the model has no linear layer to adapt; name the layers "
                          "with --lora_targets")
-    base = cfg.model[len("hf:"):] if cfg.model.startswith("hf:") else cfg.model
-    return peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+    base = model[len("hf:"):] if model.startswith("hf:") else model
+    return peft.LoraConfig(r=finetune.lora_rank, lora_alpha=finetune.lora_alpha, lora_dropout=finetune.lora_dropout,
                            target_modules=targets, base_model_name_or_path=base, bias="none")
 
 
-def apply(module: nn.Module, cfg: TrainConfig) -> nn.Module:
+def apply(module: nn.Module, finetune: FinetuneSettings, model: str) -> nn.Module:
     """Freeze every weight of `module` and inject LoRA adapters into the layers `lora_config` names (in place;
     returns `module`). The adapters' init draws from torch's global RNG: call it right after building the model,
     under the same seed on every rank, as the model's own init."""
     peft = _peft()
-    config = lora_config(cfg, module)
+    config = lora_config(finetune, model, module)
     present = {name.rsplit(".", 1)[-1] for name, _ in module.named_modules()}
     missing = sorted(set(config.target_modules) - present)
     if missing:

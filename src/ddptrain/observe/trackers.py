@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
-from ddptrain.config import parse_trackers
+from ddptrain.config import ObserveSettings, parse_trackers
 from ddptrain.errors import EXIT_FAILURE, EXIT_PREEMPTED, UsageError
 from ddptrain.observe.metrics import read_metrics
 
@@ -54,7 +54,7 @@ CLOSE_WAIT_S = 30.0  # how long the end of a run waits for its trackers; 5 s for
 MLFLOW_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
-def require_tracker(name: str, cfg: Any) -> None:
+def require_tracker(name: str, observe: ObserveSettings) -> None:
     """UsageError naming the pip extra unless tracker `name`'s package imports; for MLflow, also unless its
     store can be opened by what is installed."""
     if name not in EXTRAS:
@@ -67,7 +67,7 @@ def require_tracker(name: str, cfg: Any) -> None:
     if name == "mlflow":
         import mlflow
 
-        uri = cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+        uri = observe.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
         if uri.split(":", 1)[0].split("+", 1)[0] in MLFLOW_DATABASE_SCHEMES:
             try:
                 import sqlalchemy  # noqa: F401
@@ -197,31 +197,34 @@ class Trackers:
     """The run's trackers (rank 0). `log` takes a metrics line; `close(status)` ends their runs."""
 
     @classmethod
-    def of_run(cls, cfg: Any, ctx: Any, run_dir: Path, version: str) -> "Trackers | None":
-        """The trackers --tracker names (rank 0's), tagged with the run's world size, strategy, hosts and
-        ddptrain's `version`; None when it names none."""
-        names = parse_trackers(cfg.tracker)
+    def of_run(cls, observe: ObserveSettings, ctx: Any, run_dir: Path, version: str, params: dict[str, Any], *,
+               resume: bool) -> "Trackers | None":
+        """The trackers the [observe] section's --tracker names (rank 0's), sent the run's settings `params` and
+        tagged with its world size, strategy, hosts and ddptrain's `version`; each continues the run of its own
+        it started in this run dir where `resume` (--auto_resume). None when it names none."""
+        names = parse_trackers(observe.tracker)
         if not names:
             return None
-        tags = {"ddptrain.world_size": str(ctx.world_size), "ddptrain.strategy": cfg.strategy,
+        tags = {"ddptrain.world_size": str(ctx.world_size), "ddptrain.strategy": params["strategy"],
                 "ddptrain.hosts": ",".join(sorted(set(ctx.hosts))) or ctx.host, "ddptrain.version": version}
-        return cls(names, run_dir, cfg, tags)
+        return cls(names, run_dir, observe, params, tags, resume)
 
-    def __init__(self, names: list[str], run_dir: Path, cfg: Any, tags: dict[str, str]):
+    def __init__(self, names: list[str], run_dir: Path, observe: ObserveSettings, params: dict[str, Any],
+                 tags: dict[str, str], resume: bool):
         backends = {"mlflow": MlflowBackend, "wandb": WandbBackend}
         names = [name for name in names if name in backends]  # tensorboard is written by MetricSinks
         record = run_dir / "metrics.jsonl"
         state = _read_state(run_dir)
         # Which run each tracker mirrors is settled here, on the training thread, before this attempt writes a
         # line: a kill at any later point finds it in trackers.json, and the run's record starts at that byte.
-        known = {name: state[name] for name in names if cfg.auto_resume and state.get(name)}
+        known = {name: state[name] for name in names if resume and state.get(name)}
         start_byte = record.stat().st_size if record.exists() else 0
         new = {name: {backends[name].ID_KEY: uuid.uuid4().hex[:12], "start_byte": start_byte}
                for name in names if name not in known}
         if new:
             _write_state(run_dir, {**state, **new})
-        self._workers = [_Worker(backends[name](run_dir, cfg, tags, entry), record, entry.get("start_byte", 0))
-                         for name, entry in {**known, **new}.items()]
+        self._workers = [_Worker(backends[name](run_dir, observe, params, tags, entry), record,
+                                 entry.get("start_byte", 0)) for name, entry in {**known, **new}.items()]
 
     def __bool__(self) -> bool:
         return bool(self._workers)
@@ -264,8 +267,9 @@ class MlflowBackend:
     ID_KEY = "run_key"  # trackers.json: the tag that finds the run, set before the run exists
     STATUS = {"finished": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}
 
-    def __init__(self, run_dir: Path, cfg: Any, tags: dict[str, str], entry: dict[str, Any]):
-        self.run_dir, self.cfg, self.tags, self.entry = run_dir, cfg, tags, entry
+    def __init__(self, run_dir: Path, observe: ObserveSettings, params: dict[str, Any], tags: dict[str, str],
+                 entry: dict[str, Any]):
+        self.run_dir, self.observe, self.params, self.tags, self.entry = run_dir, observe, params, tags, entry
         self.client: Any = None
         self.has: dict[str, set[int]] = {}  # split -> the steps the server has
 
@@ -275,7 +279,7 @@ class MlflowBackend:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         from mlflow.tracking import MlflowClient
 
-        uri = self.cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+        uri = self.observe.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
         self.client = MlflowClient(tracking_uri=uri)
         if not self.entry.get("run_id"):
             self._find_or_create()
@@ -289,7 +293,7 @@ class MlflowBackend:
         from mlflow.entities import Param, RunTag
 
         client, key = self.client, self.entry[self.ID_KEY]
-        experiment_name = self.cfg.mlflow_experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "ddptrain"
+        experiment_name = self.observe.mlflow_experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "ddptrain"
         experiment = client.get_experiment_by_name(experiment_name)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(experiment_name)
         # An attempt killed between creating the run and saving its id left the run tagged with the key.
@@ -299,11 +303,11 @@ class MlflowBackend:
             run_id = found[0].info.run_id
             client.update_run(run_id, status="RUNNING")
         else:
-            run_id = client.create_run(experiment_id, run_name=self.cfg.tracker_run_name or self.run_dir.name,
+            run_id = client.create_run(experiment_id, run_name=self.observe.tracker_run_name or self.run_dir.name,
                                        tags={"ddptrain.run_key": key, "ddptrain.run_dir": str(self.run_dir.resolve()),
                                              **self.tags}).info.run_id
         # Params again for a found run: it may have died between its batches (MLflow accepts an equal value).
-        params = [Param(name, str(value)[:6000]) for name, value in sorted(self.cfg.to_dict().items())]
+        params = [Param(name, str(value)[:6000]) for name, value in sorted(self.params.items())]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             client.log_batch(run_id, params=params[start:start + 100])
         client.log_batch(run_id, tags=[RunTag("ddptrain.status", "running")])
@@ -353,7 +357,7 @@ class MlflowBackend:
         from mlflow.entities import RunTag
 
         run_id = self.entry["run_id"]
-        if status == "finished" and self.cfg.tracker_log_model:
+        if status == "finished" and self.observe.tracker_log_model:
             for name in ("model.safetensors", "config.toml"):
                 if (self.run_dir / name).is_file():
                     self.client.log_artifact(run_id, str(self.run_dir / name))
@@ -377,8 +381,10 @@ class WandbBackend:
     ID_KEY = "run_id"  # trackers.json: W&B takes the id a run is created with
     EXIT_CODES = {"finished": 0, "failed": EXIT_FAILURE, "preempted": EXIT_PREEMPTED}
 
-    def __init__(self, run_dir: Path, cfg: Any, tags: dict[str, str], entry: dict[str, Any]):
-        self.run_dir, self.cfg, self.tags, self.run_id = run_dir, cfg, tags, entry[self.ID_KEY]
+    def __init__(self, run_dir: Path, observe: ObserveSettings, params: dict[str, Any], tags: dict[str, str],
+                 entry: dict[str, Any]):
+        self.run_dir, self.observe, self.params, self.tags = run_dir, observe, params, tags
+        self.run_id = entry[self.ID_KEY]
         self.run: Any = None
         self.first_step = 0  # W&B has every step before it
         self.sent: dict[str, set[int]] = {split: set() for split in SENT_SPLITS}
@@ -389,9 +395,9 @@ class WandbBackend:
         if self.run is None:  # a reopen after a failure keeps the attempt's run (and its one folder)
             settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, save_code=False)
             self.run = wandb.init(
-                project=self.cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "ddptrain", id=self.run_id,
-                name=self.cfg.tracker_run_name or self.run_dir.name, dir=str(self.run_dir), resume="allow",
-                config={**self.cfg.to_dict(), **self.tags}, settings=settings, reinit="create_new")
+                project=self.observe.wandb_project or os.environ.get("WANDB_PROJECT") or "ddptrain", id=self.run_id,
+                name=self.observe.tracker_run_name or self.run_dir.name, dir=str(self.run_dir), resume="allow",
+                config={**self.params, **self.tags}, settings=settings, reinit="create_new")
             log.info("wandb: run %s in project %r (%s)", self.run_id, self.run.project,
                      "offline: RUN_DIR/wandb/" if self.run.offline else self.run.url)
         self.first_step = 0 if self.run.offline else self.run.step
@@ -411,7 +417,7 @@ class WandbBackend:
     def close(self, status: str) -> None:
         import wandb
 
-        if status == "finished" and self.cfg.tracker_log_model:
+        if status == "finished" and self.observe.tracker_log_model:
             artifact = wandb.Artifact(f"model-{self.run.id}", type="model")
             for name in ("model.safetensors", "config.toml"):
                 if (self.run_dir / name).is_file():

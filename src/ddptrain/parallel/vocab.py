@@ -37,15 +37,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn import functional as F
 
+from ddptrain.config import ParallelSettings
 from ddptrain.parallel.materialize import chunk_rows
 
 
 NOT_TOKEN_IDS = "an embedding's token ids must be integers"  # the split lookup's error for float inputs
 
 
-def wanted(cfg: Any) -> bool:
-    """Whether cfg asks for the split: --vocab_parallel under fsdp."""
-    return cfg.strategy == "fsdp" and cfg.vocab_parallel
+def wanted(parallel: ParallelSettings) -> bool:
+    """Whether the [parallel] section asks for the split: --vocab_parallel under fsdp."""
+    return parallel.strategy == "fsdp" and parallel.vocab_parallel
 
 
 def vocab_weights(model: nn.Module) -> list[nn.Parameter]:

@@ -39,7 +39,8 @@ from ddptrain.cliargs import ArgParser
 from ddptrain.config import TrainConfig
 from ddptrain.errors import UsageError
 from ddptrain.loop.callbacks import EMA
-from ddptrain.models import build_model, hf, lora
+from ddptrain.loop.plugins import model_of
+from ddptrain.models import hf, lora
 
 FORMAT = "ddptrain-export/1"
 INDEX = "model.safetensors.index.json"  # HF's sharded layout (RUN_DIR/hf/ of a --strategy fsdp run)
@@ -146,7 +147,7 @@ def merge_adapters(config: dict, adapters: dict[str, torch.Tensor], frozen: dict
     fingerprint of the frozen weights)."""
     cfg = TrainConfig(**{k: v for k, v in config.items() if k in TrainConfig.__dataclass_fields__})
     torch.manual_seed(cfg.seed)  # a base built from a config alone is the run's seeded init
-    module = lora.apply(build_model(cfg), cfg)
+    module = lora.apply(model_of(cfg), cfg.section("finetune"), cfg.model)
     module.load_state_dict(adapters, strict=False)
     if frozen is None or not lora.same_weights(frozen["fingerprint"], lora.fingerprint(module, frozen["names"])):
         raise UsageError(f"--merge: --model {cfg.model} now gives other weights than {checkpoint}'s adapters were "
@@ -161,7 +162,7 @@ def export_hf(config: dict, weights: dict[str, torch.Tensor], checkpoint: Path, 
     if not hf.is_hf(cfg.model) and not (run_hf_dir / "config.json").is_file():
         raise UsageError(f"--hf: {checkpoint} is not of a transformers model (--model {cfg.model}, and its run dir "
                          f"has no {hf.HF_DIR}/config.json); export it as OUT.safetensors")
-    hf.save_pretrained(cfg, weights, out_dir, source_config=run_hf_dir)
+    hf.save_pretrained(cfg.section("data"), weights, out_dir, source_config=run_hf_dir)
     print(f"exported {checkpoint.name} of {cfg.model} to {out_dir} (save_pretrained layout)")
 
 

@@ -42,8 +42,8 @@ from torch import nn
 
 from ddptrain.config import TrainConfig
 from ddptrain.errors import UsageError
-from ddptrain.loop.tasks import build_task
-from ddptrain.models import build_model, lora
+from ddptrain.loop.plugins import model_of, task_of
+from ddptrain.models import lora
 from ddptrain.observe.perf import values_unknown
 from ddptrain.parallel import vocab
 from ddptrain.parallel.strategies import fsdp_blocks, recomputed_blocks
@@ -194,13 +194,13 @@ def model_shape(cfg: TrainConfig, activation_mib: float | None = None) -> ModelS
     forward, each with the activations one micro-batch of --batch_size saves while it runs (language_model and
     classification; other tasks take `activation_mib`, counted as the root's)."""
     with torch.device("meta"):
-        model = build_model(cfg, on_meta=True)
+        model = model_of(cfg, on_meta=True)
         if cfg.lora_rank:
-            model = lora.apply(model, cfg)
+            model = lora.apply(model, cfg.section("finetune"), cfg.model)
     # ddp's replica is one unit, but for the blocks --activation_checkpointing recomputes
     blocks = fsdp_blocks(model, cfg.fsdp_blocks) if cfg.strategy != "ddp" or cfg.activation_checkpointing else []
     # The vocabulary matrices split by rows: each module computing with one is a unit of its own, never gathered.
-    vocabulary = set(vocab.vocab_weights(model)) if vocab.wanted(cfg) else set()
+    vocabulary = set(vocab.vocab_weights(model)) if vocab.wanted(cfg.section("parallel")) else set()
     own = {id(b) for b in blocks}  # the units the vocabulary's modules are part of when not split
     if vocabulary:
         blocks = [b for b in blocks if not vocab.only_vocabulary(b, vocabulary)]
@@ -272,7 +272,7 @@ def saved_by_unit(model: nn.Module, blocks: list[nn.Module], cfg: TrainConfig) -
 
     hooks = [h for b in blocks for h in (b.register_forward_pre_hook(enter, with_kwargs=True),
                                          b.register_forward_hook(leave))]
-    task = build_task(cfg)
+    task = task_of(cfg)
     try:
         with values_unknown(torch.device("meta")) as as_fake, torch.autograd.graph.saved_tensors_hooks(pack, _same):
             # The forward sees each parameter as the fake tensor the mode remembers for it while it lives: kept

@@ -254,10 +254,10 @@ def gradient_tensor_bytes(cfg) -> tuple[int, ...]:
     their gradients: the reverse of the model's (tied weights counted once, as DDP does)."""
     import torch
 
-    from ddptrain.models import build_model
+    from ddptrain.loop.plugins import model_of
 
     with torch.device("meta"):
-        model = build_model(cfg)
+        model = model_of(cfg)
     return tensor_bytes_in_backward_order(model)
 
 
@@ -265,13 +265,13 @@ def fsdp_unit_count(cfg) -> int:
     """FSDP units of cfg's model under --strategy fsdp: its blocks plus the root (on the meta device)."""
     import torch
 
-    from ddptrain.models import build_model
+    from ddptrain.loop.plugins import model_of
     from ddptrain.parallel import vocab
     from ddptrain.parallel.strategies import fsdp_blocks
 
     with torch.device("meta"):
-        model = build_model(cfg)
-    vocabulary = set(vocab.vocab_weights(model)) if vocab.wanted(cfg) else set()
+        model = model_of(cfg)
+    vocabulary = set(vocab.vocab_weights(model)) if vocab.wanted(cfg.section("parallel")) else set()
     return sum(not vocab.only_vocabulary(b, vocabulary) for b in fsdp_blocks(model, cfg.fsdp_blocks)) + 1
 
 
