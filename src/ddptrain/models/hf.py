@@ -231,7 +231,7 @@ def save_pretrained_files(data: DataSettings, module: nn.Module, out_dir: Path) 
 
 
 def _skeleton(data: DataSettings, run_config: Path | None) -> nn.Module:
-    """The model of `data`, fresh: from the config.json the run left in `run_config`, or its source's."""
+    """The model --model names, fresh: from the config.json the run left in `run_config`, or its source's."""
     transformers = require("transformers", "ddptrain export --hf")
     auto = _auto_class(data)
     source = Path(data.model[len(PREFIX):])
