@@ -26,13 +26,14 @@ __all__ = ["datasets_of", "model_maker", "model_of", "plugged", "task_of"]
 
 
 def is_plugin(name: str) -> bool:
-    """Whether a --task, --model or --dataset value names a 'pkg.mod:fn' plug-in (not an `hf:` source)."""
+    """Whether a --model or --dataset value names a 'pkg.mod:fn' plug-in (not an `hf:` source; every --task
+    with a colon is a plug-in)."""
     return ":" in name and not name.startswith("hf:")
 
 
 def task_of(cfg: TrainConfig) -> Task:
     """The task --task names."""
-    if is_plugin(cfg.task):
+    if ":" in cfg.task:
         return PluginTask(load_plugin(cfg.task, "--task")(cfg), cfg.task)
     return build_task(cfg.section("data"))
 
@@ -55,8 +56,8 @@ def model_maker(cfg: TrainConfig, model: Any = None) -> nn.Module | Callable[[],
         return model
     if model is not None:
         return functools.partial(_module_of, model, cfg, "the model function given to ddptrain.fit")
-    if is_plugin(cfg.model):
-        return functools.partial(_module_of, load_plugin(cfg.model, "--model"), cfg, f"--model {cfg.model}")
+    if is_plugin(cfg.model):  # imported when called: after the seed, as a plug-in's import always was
+        return functools.partial(_module_of, functools.partial(_plugin_model, cfg.model), cfg, f"--model {cfg.model}")
     return None
 
 
@@ -72,6 +73,10 @@ def plugged(cfg: TrainConfig, parts: Parts) -> Parts:
     task = parts.task if parts.task is not None else task_of(cfg)
     datasets = parts.datasets if parts.datasets is not None else datasets_of(cfg)
     return dataclasses.replace(parts, task=task, datasets=datasets, model=model_maker(cfg, parts.model))
+
+
+def _plugin_model(ref: str, cfg: TrainConfig) -> Any:
+    return load_plugin(ref, "--model")(cfg)
 
 
 def _module_of(fn: Callable[[TrainConfig], Any], cfg: TrainConfig, name: str) -> nn.Module:

@@ -45,17 +45,18 @@ __all__ = ["check_first_batch", "plugin_names", "usage_error_of"]
 log = logging.getLogger("ddptrain")
 
 
-def check_first_batch(trainer: Any, parts: Parts, autocast: Any) -> None:
+def check_first_batch(trainer: Any, names: dict[str, str], autocast: Any, channels_last: bool) -> None:
     """Run the checks above on this rank's first `--batch_size` items (items rank x batch_size onwards of the
-    training set); raise the same UsageError on every rank if any rank finds a mistake. All ranks; call once the
-    Trainer has its task, loaders and wrapped model, and before the per-rank RNG streams are seeded (the model's
-    dropout draws are then of no consequence).
+    training set); raise the same UsageError on every rank if any rank finds a mistake, naming the dataset, model
+    and task as `names` does (`plugin_names`). All ranks; call once the Trainer has its task, loaders and wrapped
+    model, and before the per-rank RNG streams are seeded (the model's dropout draws are then of no consequence).
+    What the check needs to know it reads from those objects, not from the config.
     """
     if trainer.data.stream is not None:
         return
-    batch = _FirstBatch(trainer, parts, autocast)
+    batch = _FirstBatch(trainer, names, autocast, channels_last)
     steps = [batch.read, batch.train_loss, batch.eval_metrics]
-    if trainer.parallel.sharded or trainer.cfg.sync_batchnorm:
+    if trainer.parallel.sharded or any(isinstance(m, nn.SyncBatchNorm) for m in trainer.module.modules()):
         # Forwards that communicate (parameter gathers, SyncBatchNorm's statistics): every rank runs each, or none.
         for step in steps:
             _agreed(trainer.ctx, step)
@@ -64,20 +65,19 @@ def check_first_batch(trainer: Any, parts: Parts, autocast: Any) -> None:
 
 
 class _FirstBatch:
-    def __init__(self, trainer: Any, parts: Parts, autocast: Any):
-        cfg = self.cfg = trainer.cfg
+    def __init__(self, trainer: Any, names: dict[str, str], autocast: Any, channels_last: bool):
         self.trainer, self.ctx, self.module, self.autocast = trainer, trainer.ctx, trainer.module, autocast
-        self.task = _own_copy(trainer.task)
-        names = plugin_names(cfg.section("data"), parts)
+        self.task, self.channels_last = _own_copy(trainer.task), channels_last
         self.dataset_name, self.model_name, self.task_name = names["dataset"], names["model"], names["task"]
         self.batch: Any = None
 
     def read(self) -> None:
         """This rank's items, checked, collated and on the device."""
-        loader, size = self.trainer.data.train, self.cfg.batch_size
+        loader, size = self.trainer.data.train, self.trainer.data.layout.micro_batch_size
         start = self.ctx.rank * size  # the loaders' checks leave at least world x batch_size items
-        dataset = _shallow_copy(loader.dataset.dataset)
-        pairs = SeededSamples(dataset, self.cfg.seed).__getitems__([(0, i) for i in range(start, start + size)])
+        samples = loader.dataset  # SeededSamples: the dataset and the run's seed
+        keys = [(0, i) for i in range(start, start + size)]
+        pairs = SeededSamples(_shallow_copy(samples.dataset), samples.seed).__getitems__(keys)
         collate = loader.collate_fn
         if collate.batch_of is None:  # ddptrain's collate: it stacks items of one structure
             self._check_items(pairs)
@@ -96,7 +96,7 @@ class _FirstBatch:
                                  "language_model and a language model (--model gpt)")
             raise UsageError(f"{self.dataset_name} gives items of one tensor, without a target, which "
                              f"{self.task_name} cannot read: return (inputs, target) pairs")
-        self.batch = to_device(batch, self.ctx.device, self.cfg.channels_last)
+        self.batch = to_device(batch, self.ctx.device, self.channels_last)
 
     def _check_items(self, pairs: list[tuple[int, Any]]) -> None:
         for index, item in pairs:
@@ -119,7 +119,7 @@ class _FirstBatch:
         model's own count of its training steps)."""
         module = self.module
         ddp = getattr(self.trainer.parallel, "ddp", None)
-        every_parameter = ddp is not None and not (self.cfg.find_unused_parameters or self.cfg.static_graph)
+        every_parameter = ddp is not None and not (ddp.find_unused_parameters or ddp.static_graph)
         buffers = [buffer.detach().clone() for buffer in module.buffers()]
         try:
             with torch.set_grad_enabled(every_parameter), eval_mode(module), self.autocast():

@@ -278,5 +278,4 @@ def build_task(data: DataSettings) -> Task:
         return Regression()
     if data.task == "language_model":
         return LanguageModel()
-    raise UsageError(f"--task {data.task!r}: not a built-in ({', '.join(BUILTIN_TASKS)}); a plug-in 'pkg.mod:fn' is "
-                     "built by ddptrain.loop.plugins")
+    raise UsageError(f"--task {data.task!r}: not a built-in ({', '.join(BUILTIN_TASKS)}) nor a 'pkg.mod:fn' plug-in")

@@ -35,7 +35,7 @@ from ddptrain.loop.loaders import build_loaders
 from ddptrain.loop.optim import build_optimizer, build_scheduler, parameter_groups, peak_lr
 from ddptrain.loop.plugins import plugged
 from ddptrain.loop.preempt import StopSignals
-from ddptrain.loop.sanity import check_first_batch
+from ddptrain.loop.sanity import check_first_batch, plugin_names
 from ddptrain.loop.state import MetricWindow, seed_rank_rngs
 from ddptrain.loop.step import SampleLog, StepRunner, StepServices, make_autocast
 from ddptrain.loop.train_log import Clock, TrainLog
@@ -83,7 +83,7 @@ class Trainer:
         autocast = make_autocast(cfg.use_amp, cfg.amp_dtype, cfg.strategy, ctx.device)
         # One batch through collate, loss and metrics on every rank: a user's mistake is one line now, not a
         # traceback at the first step or eval. Before the RNG streams below, which reseed what it drew.
-        check_first_batch(self, parts, autocast)
+        check_first_batch(self, plugin_names(data, parts), autocast, cfg.channels_last)
         # Per-rank RNG streams from here on: data order and augmentation never read them.
         seed_rank_rngs(cfg.seed, ctx.rank)
         self.position = Position(step=0, epoch=0, cursor=0, global_batch_size=layout.global_batch_size,

@@ -182,8 +182,8 @@ def build_model(data: DataSettings, on_meta: bool = False) -> nn.Module:
         return MLP(data.in_channels * data.image_size ** 2, data.num_classes, hidden=data.width)
     if data.model == "gpt":
         return GPT(data.vocab_size, data.seq_len, data.width, data.num_layers, data.num_heads)
-    raise UsageError(f"--model {data.model!r}: not a built-in ({', '.join(BUILT_IN)}); a plug-in 'pkg.mod:fn' is "
-                     "built by ddptrain.loop.plugins")
+    raise UsageError(f"--model {data.model!r}: not a built-in ({', '.join(BUILT_IN)}); build a 'pkg.mod:fn' "
+                     "plug-in with ddptrain.loop.plugins.model_of(cfg)")
 
 
 def instantiate(data: DataSettings, finetune: FinetuneSettings, model: nn.Module | Callable[[], nn.Module] | None,
