@@ -395,11 +395,17 @@ SYNC_BATCHNORM_ON_CPU = ("--sync_batchnorm needs a device torch's SyncBatchNorm 
                          "--norm group for statistics that do not depend on the split")
 
 
+def names_plugin(flag: str, value: str) -> bool:
+    """Whether `value` of --task, --model or --dataset (`flag`, without dashes) names a 'pkg.mod:fn' plug-in: it
+    has a colon and, for a model or a dataset, is no `hf:` source."""
+    return ":" in value and not (flag != "task" and value.startswith("hf:"))
+
+
 def plugin_refs(cfg: TrainConfig) -> list[tuple[str, str]]:
     """(flag, 'pkg.mod:fn') of every plug-in the config names: callbacks, task, model, dataset."""
     refs = [("--callbacks", ref) for ref in filter(None, (r.strip() for r in cfg.callbacks.split(",")))]
     return refs + [(f"--{flag}", name) for flag in ("task", "model", "dataset")
-                   if ":" in (name := getattr(cfg, flag)) and not name.startswith("hf:")]
+                   if names_plugin(flag, name := getattr(cfg, flag))]
 
 # What the weights see: a checkpoint trained under other values of these is another training, which a resume
 # must not silently continue (--accept_config_change to do it anyway). Not among them: how long to train

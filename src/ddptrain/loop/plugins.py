@@ -15,7 +15,7 @@ from typing import Any, Callable
 from torch import nn
 from torch.utils.data import Dataset
 
-from ddptrain.config import TrainConfig, load_plugin
+from ddptrain.config import TrainConfig, load_plugin, names_plugin
 from ddptrain.data.pipeline import build_datasets
 from ddptrain.errors import UsageError
 from ddptrain.loop.tasks import PluginTask, Task, build_task
@@ -25,22 +25,16 @@ from ddptrain.parts import Parts
 __all__ = ["datasets_of", "model_maker", "model_of", "plugged", "task_of"]
 
 
-def is_plugin(name: str) -> bool:
-    """Whether a --model or --dataset value names a 'pkg.mod:fn' plug-in (not an `hf:` source; every --task
-    with a colon is a plug-in)."""
-    return ":" in name and not name.startswith("hf:")
-
-
 def task_of(cfg: TrainConfig) -> Task:
     """The task --task names."""
-    if ":" in cfg.task:
+    if names_plugin("task", cfg.task):
         return PluginTask(load_plugin(cfg.task, "--task")(cfg), cfg.task)
     return build_task(cfg.section("data"))
 
 
 def datasets_of(cfg: TrainConfig) -> tuple[Dataset, Dataset | None]:
     """(train, eval or None) of --dataset."""
-    if not is_plugin(cfg.dataset):
+    if not names_plugin("dataset", cfg.dataset):
         return build_datasets(cfg.section("data"), cfg.seed, Path(cfg.run_dir))
     result = load_plugin(cfg.dataset, "--dataset")(cfg)
     if not (isinstance(result, tuple) and len(result) == 2):
@@ -56,8 +50,8 @@ def model_maker(cfg: TrainConfig, model: Any = None) -> nn.Module | Callable[[],
         return model
     if model is not None:
         return functools.partial(_module_of, model, cfg, "the model function given to ddptrain.fit")
-    if is_plugin(cfg.model):  # imported when called: after the seed, as a plug-in's import always was
-        return functools.partial(_module_of, functools.partial(_plugin_model, cfg.model), cfg, f"--model {cfg.model}")
+    if names_plugin("model", cfg.model):  # imported when called: after the seed, as a plug-in's import always was
+        return functools.partial(_module_of, None, cfg, f"--model {cfg.model}")
     return None
 
 
@@ -75,12 +69,9 @@ def plugged(cfg: TrainConfig, parts: Parts) -> Parts:
     return dataclasses.replace(parts, task=task, datasets=datasets, model=model_maker(cfg, parts.model))
 
 
-def _plugin_model(ref: str, cfg: TrainConfig) -> Any:
-    return load_plugin(ref, "--model")(cfg)
-
-
-def _module_of(fn: Callable[[TrainConfig], Any], cfg: TrainConfig, name: str) -> nn.Module:
-    module = fn(cfg)
+def _module_of(fn: Callable[[TrainConfig], Any] | None, cfg: TrainConfig, name: str) -> nn.Module:
+    """fn(cfg), checked to be a module; fn None: the --model plug-in's, imported now."""
+    module = (fn or load_plugin(cfg.model, "--model"))(cfg)
     if not isinstance(module, nn.Module):
         raise UsageError(f"{name}: the function returned {type(module).__name__}, not a torch.nn.Module")
     return module
