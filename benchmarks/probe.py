@@ -311,14 +311,17 @@ class SaveSchedule:
         self.timeline = Timeline(trainer.ctx.device)
         self.blocked: dict[int, float] = {}  # save step -> seconds the training thread spent in save()
         self.unfinished: dict[int, float] = {}  # async save step -> seconds waited for it at its window end
-        original = trainer.save
+        manager = trainer.checkpoints
+        original = manager.save
 
-        def timed_save() -> None:
+        def timed_save(**when: Any) -> bool:
             started = time.perf_counter()
-            original()
-            self.blocked[self.trainer.position.step] = time.perf_counter() - started
+            saved = original(**when)
+            if saved:
+                self.blocked[self.trainer.position.step] = time.perf_counter() - started
+            return saved
 
-        trainer.save = timed_save  # _between_steps calls self.save(): an instance attribute wins
+        manager.save = timed_save  # the loop hands every boundary to checkpoints.save: an instance attribute wins
 
     def is_async(self, save_step: int) -> bool:
         return self.save_steps.index(save_step) % 2 == 1
@@ -337,7 +340,7 @@ class SaveSchedule:
             manager.async_save = self.is_async(upcoming)
 
     def summary(self) -> dict[str, Any]:
-        """Per save: seconds blocked in save(), seconds of training lost over its window vs the clean steps."""
+        """Per save: seconds blocked in checkpoints.save, seconds of training lost over its window vs the clean steps."""
         steps = self.timeline.step_seconds()  # steps[i] is the duration of step i+1
         saves = []
         for save_step in self.save_steps:

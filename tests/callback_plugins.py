@@ -151,3 +151,22 @@ class RecordPeak(ddptrain.Callback):
 
     def on_train_end(self, run, summary):
         self._record(run, "end")
+
+
+class Boundaries(ddptrain.Callback):
+    """Writes RUN_DIR/boundaries.json: each boundary the loop handed the checkpoint manager (what it said of it)
+    and whether the manager saved there. Reaches into the trainer: what it records is the loop's own traffic."""
+
+    def on_train_start(self, run):
+        manager, self.seen = run._trainer.checkpoints, []
+        handed = manager.save
+
+        def save(**when):
+            saved = handed(**when)
+            self.seen.append([run.step, sorted(when.items()), saved])
+            return saved
+
+        manager.save = save
+
+    def on_train_end(self, run, summary):
+        (run.run_dir / "boundaries.json").write_text(json.dumps(self.seen))

@@ -194,7 +194,7 @@ def test_a_mapped_model_file_reads_rows_of_each_tensor_and_0_d_tensors_whole(tmp
 
 
 def test_the_save_schedule_decides_each_boundary():
-    """checkpoints.manager.SaveSchedule: the one place the loop asks whether a boundary saves."""
+    """checkpoints.manager.SaveSchedule: what the manager asks of each boundary the loop hands it."""
     from ddptrain.checkpoints.manager import SaveSchedule
 
     every = SaveSchedule(every_epochs=2, every_steps=5, every_minutes=0)
@@ -211,3 +211,20 @@ def test_the_save_schedule_decides_each_boundary():
     assert timed.minutes_up()
     timed.start_clock()
     assert not timed.minutes_up()
+
+
+def test_the_loop_hands_every_boundary_to_the_manager_which_decides(tmp_path: Path):
+    """The loop asks nothing of the schedule: it hands checkpoints.save each step's boundary (with the vote's
+    timed flag), each epoch's end and the end; the manager saves where its schedule says. 2 epochs of 8 steps,
+    --save_every_steps 3, --save_every 2: steps 3, 6, 9, 12, 15 and the second epoch's end; the end's save
+    finds step 16 saved already."""
+    train(tmp_path, "--callbacks", "callback_plugins:Boundaries", "--epochs", "2", "--save_every_steps", "3",
+          "--save_every", "2", "--keep_last", "0")
+    seen = json.loads((tmp_path / "boundaries.json").read_text())
+    steps = [[step, {key: value for key, value in when}, saved] for step, when, saved in seen]
+    assert [s for s, when, _ in steps if when == {"timed": False}] == list(range(1, 17))  # once per step
+    assert [(s, when) for s, when, _ in steps if "timed" not in when] == [
+        (8, {"epoch_end": 1}), (16, {"epoch_end": 2}), (16, {"now": True})]
+    assert [(s, next(iter(when))) for s, when, saved in steps if saved] == [
+        (3, "timed"), (6, "timed"), (9, "timed"), (12, "timed"), (15, "timed"), (16, "epoch_end")]
+    assert sorted(step for step, _ in committed_steps(tmp_path / "checkpoints")) == [3, 6, 9, 12, 15, 16]

@@ -49,10 +49,10 @@ READ_RETRY_S = 1.0  # the wait before the second read; the third waits twice as 
 
 
 class SaveSchedule:
-    """When the loop saves: at an epoch's end every --save_every epochs, at a step boundary every
+    """When a boundary saves: at an epoch's end every --save_every epochs, at a step boundary every
     --save_every_steps steps or --save_every_minutes (rank 0's clock, cast in the control vote so that every
-    rank saves the same step), and wherever a best checkpoint is wanted. The loop asks `due` once per boundary;
-    a preemption, the time limit and the end of training save whatever it says."""
+    rank saves the same step), and wherever a best checkpoint is wanted. The manager asks `due` at each
+    boundary the loop hands it; a preemption, the time limit and the end of training save whatever it says."""
 
     def __init__(self, every_epochs: int = 0, every_steps: int = 0, every_minutes: float = 0.0):
         self.every_epochs, self.every_steps, self.every_minutes = every_epochs, every_steps, every_minutes
@@ -83,9 +83,14 @@ class SaveSchedule:
 class RunParts(Protocol):
     """What a checkpoint is taken of (`loop.checkpointed.RunState`): a position, the state in the checkpoint
     format (`snapshot`: every rank's shards, and the state every rank shares, rank 0's written) and this rank's
-    own (`rank_state`, gathered from every rank)."""
+    own (`rank_state`, gathered from every rank). `settle` makes final what a snapshot reads (all ranks);
+    `take_best` is a request to keep this step as best/ (its best.json), or None."""
 
     position: Position
+
+    def settle(self) -> None: ...
+
+    def take_best(self) -> dict[str, Any] | None: ...
 
     def snapshot(self) -> Snapshot: ...
 
@@ -97,10 +102,12 @@ class CheckpointManager:
 
     def __init__(self, ctx: DistributedContext, directory: Path, keep_last: int, async_save: bool,
                  timeout_s: float, injector: FaultInjector | None = None, mapped_reads: bool = False,
-                 schedule: SaveSchedule | None = None):
-        """`mapped_reads`: a full checkpoint (an earlier version's) is read mapped, each rank reading the rows
-        it needs (a sharded run); else whole."""
-        self.schedule = schedule or SaveSchedule()
+                 schedule: SaveSchedule | None = None, parts: RunParts | None = None,
+                 phase: Callable[[str], None] = lambda name: None):
+        """`parts`: what `save` checkpoints; `phase`: told "checkpoint" as a save starts (the watchdog's
+        heartbeat). `mapped_reads`: a full checkpoint (an earlier version's) is read mapped, each rank reading
+        the rows it needs (a sharded run); else whole."""
+        self.schedule, self.parts, self.phase = schedule or SaveSchedule(), parts, phase
         self.ctx, self.directory, self.keep_last, self.timeout_s = ctx, directory, keep_last, timeout_s
         self.async_save, self.injector, self.mapped_reads = async_save, injector, mapped_reads
         self._group: dist.ProcessGroup | None = None
@@ -115,7 +122,25 @@ class CheckpointManager:
         self._best_error = ""
         self.origin = ""  # the --resume_from checkpoint that started this run's line, recorded in manifests
 
-    def save(self, state: RunParts, best: dict[str, Any] | None = None) -> None:
+    def save(self, *, now: bool = False, epoch_end: int | None = None, timed: bool = False) -> bool:
+        """The step boundary the parts stand at: checkpoint them if the schedule says the boundary is due
+        (`epoch_end`, `timed`: as `SaveSchedule.due`; a callback's best request) or `now` (a preemption, the
+        time limit, the end). Whether a save began; not for a step saved already, which a best request makes
+        best/ instead. The loop hands over every boundary, the same on every rank. All ranks."""
+        state = self.parts
+        step, best = state.position.step, state.take_best()
+        if not (now or self.schedule.due(step, epoch_end=epoch_end, timed=timed, best=best is not None)):
+            return False
+        if step == self.pending_step:
+            if best is not None:
+                self.keep_best(step, best)
+            return False
+        self.phase("checkpoint")
+        state.settle()
+        self._save(state, best)
+        return True
+
+    def _save(self, state: RunParts, best: dict[str, Any] | None) -> None:
         """Checkpoint `state` at its position: every rank writes its shards (DCP), rank 0 trainer.pt and the
         manifest once every rank reported its files written; every rank agrees on the outcome. All ranks.
 

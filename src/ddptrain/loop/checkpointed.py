@@ -13,7 +13,9 @@ trainer.pt), state of its own rank (gathered from every rank), or both:
     rng         -                                                torch / numpy / python RNG streams
 
 A part's shared state is keys of trainer.pt (`state_dict`), its rank's state keys of that rank's dict
-(`rank_state_dict`); `load(loaded, ranks)` puts both back from a verified checkpoint and every rank's dict
+(`rank_state_dict`); `settle()`, where a part has it, makes that state final before a snapshot reads it (all
+ranks: the model's buffers agreed, the log's last line written, the vote in flight read); `load(loaded, ranks)`
+puts both back from a verified checkpoint and every rank's dict
 (`RankStates`). The model part is the one whose state also lies outside trainer.pt (`weights`: the shards,
 which DCP writes under every strategy). The keys are those of the checkpoints ddptrain has always written: the
 parts split the dicts, not the format. Parts restore in the order of the dict (RNG streams last: nothing
@@ -78,6 +80,10 @@ class ModelState:
         self.optimizer_name, self.model_name, self.lora_rank = optimizer_name, model_name, lora_rank  # for errors
         self.frozen = lora.frozen_names(module) if lora.is_lora(module) else []
         self._fingerprint: list[list[float]] | None = None
+
+    def settle(self) -> None:
+        """Every rank holds rank 0's buffers, which the checkpoint saves. All ranks."""
+        self.parallel.sync_buffers()
 
     def weights(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(this rank's shards of the model and optimizer state, as DCP writes them; trainer.pt keys). All
@@ -190,14 +196,23 @@ class LoopState:
     """"trainer": what the loop decided and logged. Shared: a stop every rank agreed on (no step follows it,
     and a rerun stops at the same step), one voted but not yet read, the last eval (a resumed run neither
     repeats it nor reports none at the end), the log's state, the tokenizer the run learnt on. Each rank's:
-    its unlogged metric window and a stop asked on it, not yet voted on."""
+    its unlogged metric window and a stop asked on it, not yet voted on. The sample-id record (or None) is
+    flushed with each checkpoint."""
 
     def __init__(self, train_log: Any, window: MetricWindow, vote: Any, run_view: Any, ctx: Any,
-                 tokenizer_digest: str | None):
+                 tokenizer_digest: str | None, sample_log: Any):
         self.train_log, self.window, self.vote, self.run_view, self.ctx = train_log, window, vote, run_view, ctx
-        self.tokenizer_digest = tokenizer_digest
+        self.tokenizer_digest, self.sample_log = tokenizer_digest, sample_log
         self.stopped: dict[str, Any] | None = None  # {"step", "reason"} once every rank agreed to stop early
         self.last_eval: dict[str, Any] = {}
+
+    def settle(self) -> None:
+        """The log's last line written (a checkpoint's window starts after it), the sample ids on disk, the vote
+        cast at this boundary read: its outcome rides in the checkpoint. All ranks."""
+        self.train_log.finish()
+        if self.sample_log is not None:
+            self.sample_log.flush()
+        self.vote.settle()
 
     def state_dict(self) -> dict[str, Any]:
         settled = self.vote.settled  # a stop in the vote read at the next boundary: a decision already taken
@@ -268,6 +283,11 @@ class CallbackState:
             self.announced = committed_step
             self.callbacks.call("on_checkpoint", self.run_view, committed_step)
 
+    def take_best(self) -> dict[str, Any] | None:
+        """A callback's request to keep this step's checkpoint as best/ (its best.json), taken; or None."""
+        best, self.run_view.best_wanted = self.run_view.best_wanted, None
+        return best
+
     def rank_state_dict(self) -> dict[str, Any]:
         return {"callbacks": self.callbacks.state_dict()} if self.callbacks else {}
 
@@ -303,6 +323,15 @@ class RunState:
         self.position, self.config = position, config
         self.parts = {"model": model, "optim": optim, "trainer": trainer, "data": data, "callbacks": callbacks,
                       "rng": rng}
+
+    def settle(self) -> None:
+        """Each part's state made final for a snapshot, in the order of the parts. All ranks."""
+        for part in self.parts.values():
+            if hasattr(part, "settle"):
+                part.settle()
+
+    def take_best(self) -> dict[str, Any] | None:
+        return self.parts["callbacks"].take_best()
 
     def snapshot(self) -> Snapshot:
         """This rank's shards and the shared state (rank 0's is written). All ranks."""

@@ -98,11 +98,17 @@ class Trainer:
                            cfg.model, cfg.lora_rank)
         # The tokenizer's files, not only its path: a checkpoint continues only on the token ids it learnt.
         digest = hf.tokenizer_digest(Path(cfg.tokenizer)) if cfg.tokenizer else None
-        self.loop_state = LoopState(self.train_log, self.window, self.vote, self.run_view, ctx, digest)
+        self.loop_state = LoopState(self.train_log, self.window, self.vote, self.run_view, ctx, digest,
+                                    self.sample_log)
         self.state = RunState(self.position, cfg.to_dict(), model, optim, self.loop_state,
                               StreamState(self.data.stream_position, cfg.num_workers),
                               CallbackState(self.callbacks, self.run_view),
                               RngState(ctx.device, cfg.seed))
+        self.checkpoints = CheckpointManager(ctx, cfg.checkpoint_path, cfg.keep_last, cfg.async_checkpoint,
+                                             cfg.checkpoint_timeout_s, self.injector,
+                                             mapped_reads=self.parallel.sharded,
+                                             schedule=SaveSchedule.of(cfg.section("checkpoint")), parts=self.state,
+                                             phase=self.watchdog.phase)
         self.final = FinalWeights(data, ctx, run_dir, model, self.checkpoints, self.callbacks.ema)
         # --max_time counts from the launch; where no launcher set its time, from here.
         self.signals = StopSignals(cfg.max_time)
@@ -129,14 +135,10 @@ class Trainer:
         return OptimState(self.optimizer, scheduler, scaler, lr, own_schedule)
 
     def _build_services(self, flops_per_sample: float, autocast: Any) -> None:
-        """What runs beside the steps: checkpoints, watchdog, profiler, stop signals and the control vote, the
-        metric window, log and sinks, the evaluator, the sample-id record."""
+        """What runs beside the steps: fault injector, watchdog, profiler, the control vote, the metric window,
+        log and sinks, the evaluator, the sample-id record. (The checkpoints, of the parts: in __init__.)"""
         cfg, ctx, run_dir, device = self.cfg, self.ctx, self.run_dir, self.ctx.device
         self.injector = FaultInjector(cfg.inject_fault, ctx.rank)
-        self.checkpoints = CheckpointManager(ctx, cfg.checkpoint_path, cfg.keep_last, cfg.async_checkpoint,
-                                             cfg.checkpoint_timeout_s, self.injector,
-                                             mapped_reads=self.parallel.sharded,
-                                             schedule=SaveSchedule.of(cfg.section("checkpoint")))
         self.watchdog = Watchdog(ctx, rank_log_path(run_dir, ctx.rank), cfg.hang_timeout_s,
                                  startup_timeout_s=cfg.init_timeout_s, checkpoint_timeout_s=cfg.checkpoint_timeout_s)
         self.profiler = StepProfiler(cfg.enable_profiling, run_dir, ctx.rank, cfg.profile_wait,
@@ -213,8 +215,7 @@ class Trainer:
                 if loop_state.last_eval.get("step") != pos.step:
                     self.evaluate()
                 pos.epoch, pos.cursor = pos.epoch + 1, 0
-                if self.checkpoints.schedule.due(pos.step, epoch_end=pos.epoch, best=bool(self.run_view.best_wanted)):
-                    self.save()
+                self._checkpoint(epoch_end=pos.epoch)
 
             # The end: log the partial window, evaluate if the last epoch ended early, final save. The last
             # step's gradients are spent: freed first, the final eval, save and gathered export need none.
@@ -227,7 +228,7 @@ class Trainer:
             self.vote.drain()  # a preemption flag still in flight is moot: the final save follows
             self.watchdog.phase("replica check")
             self.parallel.check_replicas()
-            self.save()
+            self._checkpoint(now=True)
             self._wait_for_checkpoint()
         bar.close()
         self.final.step = pos.step
@@ -315,11 +316,10 @@ class Trainer:
         if stop or self.run_view.stop_now:
             self._agree_to_stop(step, self.run_view.stop_reason or "a callback on another rank asked to stop")
         if preempt or time_up:
-            self.save()  # holds a stop agreed at this step: the rerun ends here, as the run would have
+            self._checkpoint(now=True)  # holds a stop agreed at this step: the rerun ends here, as the run would
             self._wait_for_checkpoint()  # raises if it did not commit: no preemption claims a save it lacks
             self.signals.exit(step, preempt, self.run_dir if self.ctx.is_main else None)
-        if self.checkpoints.schedule.due(step, timed=bool(timed), best=bool(self.run_view.best_wanted)):
-            self.save()
+        self._checkpoint(timed=bool(timed))
 
     def _agree_to_stop(self, step: int, reason: str) -> None:
         """Record the stop every rank agreed on at this step: no step follows, and every later checkpoint holds
@@ -328,23 +328,11 @@ class Trainer:
             self.loop_state.stopped = {"step": step, "reason": reason}
             log.info("stopping at step %d: %s", step, reason)
 
-    def save(self) -> None:
-        """Checkpoint the current position (skipped if this step is already saved), kept as best/ if a callback
-        asked. All ranks."""
-        self.train_log.finish()  # a checkpoint's window starts after the last line: that line must be written
-        best, self.run_view.best_wanted = self.run_view.best_wanted, None
-        if self.position.step == self.checkpoints.pending_step:
-            if best:
-                self.checkpoints.keep_best(self.position.step, best)
-            return
-        self.watchdog.phase("checkpoint")
-        if self.sample_log is not None:
-            self.sample_log.flush()
-        self.parallel.sync_buffers()
-        # A vote cast at this boundary is read at the next: settled now, its outcome rides in the checkpoint.
-        self.vote.settle()
-        self.checkpoints.save(self.state, best)
-        self._announce_checkpoint()
+    def _checkpoint(self, **when: Any) -> None:
+        """A step boundary, handed to the checkpoint manager: it saves the run's parts if its schedule says so
+        (or `now=True`). All ranks."""
+        if self.checkpoints.save(**when):
+            self._announce_checkpoint()
 
     def _wait_for_checkpoint(self) -> None:
         """Wait for an async save in flight to commit, under the checkpoint's time limit (not a step's), and
