@@ -1,4 +1,5 @@
-"""Callbacks for tests/test_callbacks.py: a user's callback with state, as `--callbacks` loads it."""
+"""Callbacks that tests load with `--callbacks` (test_callbacks.py: a user's callback with state; others: what a
+test records of a run)."""
 
 from __future__ import annotations
 

@@ -214,7 +214,7 @@ def test_the_save_schedule_decides_each_boundary():
 
 
 def test_the_loop_hands_every_boundary_to_the_manager_which_decides(tmp_path: Path):
-    """The loop asks nothing of the schedule: it hands checkpoints.save each step's boundary (with the vote's
+    """The loop does not decide whether to save: it hands checkpoints.save each step's boundary (with the vote's
     timed flag), each epoch's end and the end; the manager saves where its schedule says. 2 epochs of 8 steps,
     --save_every_steps 3, --save_every 2: steps 3, 6, 9, 12, 15 and the second epoch's end; the end's save
     finds step 16 saved already."""

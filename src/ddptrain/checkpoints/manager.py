@@ -100,10 +100,9 @@ class RunParts(Protocol):
 class CheckpointManager:
     """Saves and resumes through committed directories. Methods marked 'all ranks' are collective."""
 
-    def __init__(self, ctx: DistributedContext, directory: Path, keep_last: int, async_save: bool,
+    def __init__(self, ctx: DistributedContext, parts: RunParts, directory: Path, keep_last: int, async_save: bool,
                  timeout_s: float, injector: FaultInjector | None = None, mapped_reads: bool = False,
-                 schedule: SaveSchedule | None = None, parts: RunParts | None = None,
-                 phase: Callable[[str], None] = lambda name: None):
+                 schedule: SaveSchedule | None = None, phase: Callable[[str], None] = lambda name: None):
         """`parts`: what `save` checkpoints; `phase`: told "checkpoint" as a save starts (the watchdog's
         heartbeat). `mapped_reads`: a full checkpoint (an earlier version's) is read mapped, each rank reading
         the rows it needs (a sharded run); else whole."""
@@ -378,13 +377,14 @@ class CheckpointManager:
                 log.warning("could not delete old checkpoint %s (%s); training continues", path, exc)
 
     def start_line(self, loaded: Loaded | None) -> None:
-        """Move aside the committed checkpoints this run does not continue from. All ranks (rank 0 moves, every
-        rank learns the outcome).
+        """Move aside the committed checkpoints this run does not continue from, and start the schedule's clock
+        (--save_every_minutes count from here). All ranks (rank 0 moves, every rank learns the outcome).
 
         After resuming from step S (or starting fresh, S = 0), checkpoints of steps after S belong to an
         abandoned line: left in place, retention would keep them over the new line's saves and a later
         auto-resume would pick them. They go to `abandoned/<time>-at-step-S/`, never deleted.
         """
+        self.schedule.start_clock()
         error = None
         if self.ctx.is_main:
             try:

@@ -104,10 +104,10 @@ class Trainer:
                               StreamState(self.data.stream_position, cfg.num_workers),
                               CallbackState(self.callbacks, self.run_view),
                               RngState(ctx.device, cfg.seed))
-        self.checkpoints = CheckpointManager(ctx, cfg.checkpoint_path, cfg.keep_last, cfg.async_checkpoint,
-                                             cfg.checkpoint_timeout_s, self.injector,
+        self.checkpoints = CheckpointManager(ctx, self.state, cfg.checkpoint_path, cfg.keep_last,
+                                             cfg.async_checkpoint, cfg.checkpoint_timeout_s, self.injector,
                                              mapped_reads=self.parallel.sharded,
-                                             schedule=SaveSchedule.of(cfg.section("checkpoint")), parts=self.state,
+                                             schedule=SaveSchedule.of(cfg.section("checkpoint")),
                                              phase=self.watchdog.phase)
         self.final = FinalWeights(data, ctx, run_dir, model, self.checkpoints, self.callbacks.ema)
         # --max_time counts from the launch; where no launcher set its time, from here.
@@ -348,7 +348,6 @@ class Trainer:
     def _resume(self) -> None:
         """Restore the newest usable checkpoint (or --resume_from). All ranks."""
         self._first_step = 0
-        self.checkpoints.schedule.start_clock()
         if self.ctx.is_main:
             for marker in (PREEMPTED_MARKER, FINISHED_MARKER):
                 (self.run_dir / marker).unlink(missing_ok=True)
