@@ -309,7 +309,7 @@ class SaveSchedule:
         self.trainer, self.period = trainer, period
         self.save_steps = [first + 2 * period * k for k in range(num_saves)]
         self.timeline = Timeline(trainer.ctx.device)
-        self.blocked: dict[int, float] = {}  # save step -> seconds the training thread spent in save()
+        self.blocked: dict[int, float] = {}  # save step -> seconds the training thread spent in checkpoints.save
         self.unfinished: dict[int, float] = {}  # async save step -> seconds waited for it at its window end
         manager = trainer.checkpoints
         original = manager.save

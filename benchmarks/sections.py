@@ -379,7 +379,7 @@ def checkpoint(size: str, work: Path) -> Plan:
         passed = ratio <= 0.05
         state_mb = res["checkpoint_bytes"] / 1e6
         note = (f"checkpoint of {state_mb:.0f} MB (weights + SGD momentum + trainer state). Stall = time the "
-                f"training loop spends inside save(); the first async save also allocates its staging copy "
+                f"training loop spends inside checkpoints.save; the first async save also allocates its staging copy "
                 f"({fmt_ms(first_async)}), later ones reuse it. Lost = extra wall time of the "
                 f"{period} steps from the save on, against the {period} clean steps before it: sync "
                 f"{lost['sync']:.2f} s, async {lost['async']:.2f} s. Each rank copies and writes its share of the "
