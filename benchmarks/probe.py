@@ -340,7 +340,8 @@ class SaveSchedule:
             manager.async_save = self.is_async(upcoming)
 
     def summary(self) -> dict[str, Any]:
-        """Per save: seconds blocked in checkpoints.save, seconds of training lost over its window vs the clean steps."""
+        """Per save: seconds blocked in checkpoints.save, seconds of training lost over its window vs the clean
+        steps."""
         steps = self.timeline.step_seconds()  # steps[i] is the duration of step i+1
         saves = []
         for save_step in self.save_steps:

@@ -316,7 +316,8 @@ class Trainer:
         if stop or self.run_view.stop_now:
             self._agree_to_stop(step, self.run_view.stop_reason or "a callback on another rank asked to stop")
         if preempt or time_up:
-            self._checkpoint(now=True)  # holds a stop agreed at this step: the rerun ends here, as the run would
+            # The checkpoint holds a stop agreed at this step: the rerun ends here, as the run would have.
+            self._checkpoint(now=True)
             self._wait_for_checkpoint()  # raises if it did not commit: no preemption claims a save it lacks
             self.signals.exit(step, preempt, self.run_dir if self.ctx.is_main else None)
         self._checkpoint(timed=bool(timed))
