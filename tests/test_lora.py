@@ -5,10 +5,14 @@ the adapters only, and RUN_DIR/adapter/ must load with peft's own PeftModel.from
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from helpers import assert_bitwise_equal, assert_close_weights, assert_restarted, last_committed, metrics, one_line_error, \
     run_cli, train, weights
 
@@ -20,6 +24,7 @@ LM = ["--task", "language_model", "--dataset", "lm_plugins:masked_lm", "--vocab_
       "--dataset_size", "128", "--eval_size", "24", "--epochs", "1", "--lr", "0.3", "--weight_decay", "0",
       "--momentum", "0", "--save_every", "0"]
 LORA = ["--lora_rank", "4", "--lora_alpha", "8"]
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # square: hidden x hidden
 
 
 def llama(directory: Path, seed: int = 0, width: int = 32) -> Path:
@@ -47,8 +52,6 @@ def whole(base, tmp_path_factory) -> Path:
 
 def trained_model(base: Path, run_dir: Path) -> torch.nn.Module:
     """The base with the run's adapters, as the run ended (its model.safetensors holds the adapters)."""
-    from types import SimpleNamespace
-
     from ddptrain.models import lora
 
     model = transformers.LlamaForCausalLM.from_pretrained(base)
@@ -96,15 +99,25 @@ def test_a_checkpoint_holds_the_adapters_only_and_a_killed_lora_run_ends_bitwise
     assert held <= 0.1 * model_bytes, (held, model_bytes)
 
 
-def test_a_lora_checkpoint_refuses_another_base_model(base, tmp_path):
-    """Resumed on a base whose weights differ (same architecture, another seed): one line, exit 2."""
-    job = [*LM, *LORA, "--batch_size", "8", "--max_steps", "2", "--save_every_steps", "2"]
-    train(tmp_path / "run", "--model", f"hf:{base}", *job)
-    other = llama(tmp_path / "other", seed=1)
-    proc = run_cli(["train", "--run_dir", str(tmp_path / "run"), "--model", f"hf:{other}", *job, "--max_steps", "4",
-                    "--accept_config_change", "--num_workers", "0", "--no-progress"])
+def test_a_lora_checkpoint_refuses_a_base_whose_weights_were_reordered(tmp_path):
+    """The base the run trained on, its first q_proj transposed in place (the same values: the same sum and sum of
+    squares, which were all a checkpoint recorded before issue 54 item 6): a resume is one line, exit 2, and
+    `export --merge` refuses it (a UsageError: exit 2 too)."""
+    from ddptrain.errors import UsageError
+    from ddptrain.tools import export
+
+    mine = llama(tmp_path / "llama")
+    job = ["--model", f"hf:{mine}", *LM, *LORA, "--batch_size", "8", "--save_every_steps", "2"]
+    train(tmp_path / "run", *job, "--max_steps", "2")
+    stored = weights(mine / "model.safetensors")
+    stored[Q_PROJ] = stored[Q_PROJ].t().contiguous()
+    save_file(stored, str(mine / "model.safetensors"), metadata={"format": "pt"})
+    proc = run_cli(["train", "--run_dir", str(tmp_path / "run"), *job, "--max_steps", "4", "--accept_config_change",
+                    "--num_workers", "0", "--no-progress"])
     line = one_line_error(proc)  # no transformers loading bar before it
     assert "other frozen weights" in line and "--model" in line
+    with pytest.raises(UsageError, match="fingerprint differs"):
+        export.main([str(last_committed(tmp_path / "run")), "--hf", str(tmp_path / "merged"), "--merge"])
 
 
 def test_lora_flags_without_a_rank_and_unknown_targets_are_one_line_errors(base, tmp_path):
@@ -192,3 +205,157 @@ def test_the_adapters_of_an_fsdp_run_are_gathered_without_its_frozen_base(tmp_pa
     assert grew < base_mib / 4, f"writing the final weights raised rank 0's peak {grew:.0f} MiB (base {base_mib:.0f})"
     adapters = weights(tmp_path / "run" / "model.safetensors")
     assert adapters and all(".lora_" in name for name in adapters)
+
+
+# The built-in models, in this process, each as --model builds it: its settings, an input, its linear layers.
+BUILT_IN = {
+    "gpt": ({"task": "language_model", "vocab_size": VOCAB, "seq_len": 12, "width": 16, "num_layers": 3,
+             "num_heads": 2}, lambda: torch.randint(0, VOCAB, (2, 12)),
+            {f"blocks.{block}.{layer}" for block in range(3) for layer in ("qkv", "proj", "mlp.0", "mlp.2")}),
+    "mlp": ({"in_channels": 1, "image_size": 4, "width": 8}, lambda: torch.randn(2, 1, 4, 4), {"net.1"}),
+}
+
+
+def adapted_built_in(model: str, lora_targets: str = "") -> tuple[torch.nn.Module, Callable[[], torch.nn.Module]]:
+    """(--model `model` with LoRA adapters, a function building the same model without them)."""
+    from ddptrain.config import TrainConfig
+    from ddptrain.models import build_model, lora
+
+    cfg = TrainConfig(model=model, lora_rank=4, lora_alpha=8.0, lora_targets=lora_targets, **BUILT_IN[model][0])
+
+    def plain() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return build_model(cfg.section("data"))
+
+    return lora.apply(plain(), cfg.section("finetune"), model), plain
+
+
+def adapted(module: torch.nn.Module) -> set[str]:
+    """The layers peft injected adapters into, each asserted a linear layer."""
+    layers = {name: sub.base_layer for name, sub in module.named_modules() if hasattr(sub, "base_layer")}
+    assert all(type(layer) is torch.nn.Linear for layer in layers.values()), layers
+    return set(layers)
+
+
+@pytest.mark.parametrize("model", sorted(BUILT_IN))
+def test_the_default_targets_of_a_built_in_model_are_its_linear_layers_and_load_in_peft(model, tmp_path):
+    """gpt's were `0` and `2` (of mlp.0 and mlp.2), which peft matched to whole blocks too (issue 54 item 7: exit 1
+    inside peft). Now every linear layer inside the blocks (mlp, which has none: all but the output layer) is
+    adapted, and nothing else; the model runs, and its adapter in PEFT's layout (as RUN_DIR/adapter) loads onto
+    the plain model with peft's PeftModel.from_pretrained to the same outputs."""
+    from ddptrain.models import lora
+
+    _, inputs, layers = BUILT_IN[model]
+    module, plain = adapted_built_in(model)
+    assert adapted(module) == layers
+    for name, param in module.named_parameters():
+        if ".lora_B." in name:  # B starts at zero: the adapters would change nothing yet
+            param.data.normal_()
+    lora.save_adapter(module, module.state_dict(), tmp_path)
+    loaded = peft.PeftModel.from_pretrained(plain(), tmp_path)
+    x = inputs()
+    with torch.no_grad():
+        out = module.eval()(x)
+        assert torch.equal(loaded.eval()(x), out)
+        assert not torch.allclose(plain().eval()(x), out), "the adapters change the outputs"
+
+
+def test_the_built_in_mini_resnet_has_no_default_target_and_dotted_targets_name_layers():
+    """mini_resnet's only linear layer is its output layer: --lora_rank alone is one line naming --lora_targets.
+    A target names the layers whose dotted name ends with it, as peft matches it: `mlp.2` (refused before as no
+    layer's last name)."""
+    from ddptrain.config import TrainConfig
+    from ddptrain.errors import UsageError
+    from ddptrain.models import build_model, lora
+
+    cfg = TrainConfig(model="mini_resnet", width=4, lora_rank=4)
+    with pytest.raises(UsageError, match="--lora_targets"):
+        lora.apply(build_model(cfg.section("data")), cfg.section("finetune"), "mini_resnet")
+    module, _ = adapted_built_in("gpt", lora_targets="mlp.2,qkv")
+    assert adapted(module) == {f"blocks.{block}.{layer}" for block in range(3) for layer in ("qkv", "mlp.2")}
+
+
+def test_lora_on_the_built_in_gpt_trains_from_the_command_line(tmp_path):
+    """`--model gpt --lora_rank 4`: 2 steps, exit 0 (1, inside peft, before issue 54 item 7); the adapters of its
+    linear layers are what model.safetensors holds."""
+    train(tmp_path, "--model", "gpt", "--width", "16", "--num_layers", "2", "--num_heads", "2", *LM, *LORA,
+          "--batch_size", "8", "--max_steps", "2")
+    assert sorted(json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]) == [
+        "mlp.0", "mlp.2", "proj", "qkv"]
+    adapters = weights(tmp_path / "model.safetensors")
+    assert adapters and all(".lora_A." in name or ".lora_B." in name for name in adapters), sorted(adapters)[:4]
+
+
+# The fingerprint of a frozen base, in this process: `fingerprint` reads a module's state_dict() alone.
+def holding(state: dict[str, torch.Tensor]) -> Any:
+    return SimpleNamespace(state_dict=lambda: state)
+
+
+def sharded_fingerprint(state: dict[str, torch.Tensor], mesh_shape: tuple[int, ...], placements: list) -> list:
+    """The fingerprint of `state` sharded as FSDP2 shards it (torch.chunk of dim 0 over the mesh's last dim; hsdp:
+    replicated over the first) on a mesh of `mesh_shape`: each rank's in turn, on a fake process group in this
+    process, added as ModelState.fingerprint adds the ranks'."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ddptrain.models import lora
+
+    world, total = math.prod(mesh_shape), None
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
+            index, parts = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+            shards = {}
+            for name, whole in state.items():
+                chunks = torch.chunk(whole, parts)
+                local = chunks[index] if index < len(chunks) else whole[:0]
+                shards[name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=whole.shape,
+                                                  stride=whole.stride())
+            mine = lora.fingerprint(holding(shards), list(state))
+        finally:
+            dist.destroy_process_group()
+        total = mine if total is None else [[a + b for a, b in zip(x, y)] for x, y in zip(total, mine)]
+    return total
+
+
+@pytest.fixture
+def frozen() -> dict[str, torch.Tensor]:
+    """A frozen base: a square q_proj, rows that split unevenly over 3 and 6 ranks (3/3/1; 2/2/2/1/0/0; 2/2/0), a
+    norm's weight, in float32 and bf16."""
+    torch.manual_seed(0)
+    return {"q_proj": torch.randn(8, 8) * 0.02, "rows": torch.randn(7, 3), "down": torch.randn(4, 6).bfloat16(),
+            "norm": torch.rand(5) + 0.5}
+
+
+def test_the_fingerprint_of_a_frozen_base_sees_the_order_of_its_values_and_not_its_layout(frozen):
+    """A q_proj transposed or two of its rows swapped, or a norm reversed, keep each tensor's sum and sum of
+    squares: a resume or a merge accepted them (issue 54 item 6). The positional sums refuse them; and the sums
+    the ranks of fsdp (3 ranks, 6 ranks: uneven and empty shards) or hsdp (2 x 3: one replica's shards) add are
+    still the whole tensors'."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from ddptrain.models import lora
+
+    names = list(frozen)
+    whole = lora.fingerprint(holding(frozen), names)
+    swapped = frozen["q_proj"].clone()
+    swapped[[1, 5]] = swapped[[5, 1]]
+    for changed in ({"q_proj": frozen["q_proj"].t()}, {"q_proj": swapped}, {"norm": frozen["norm"].flip(0)},
+                    {"q_proj": frozen["q_proj"] * 1.001}):
+        assert not lora.same_weights(whole, lora.fingerprint(holding({**frozen, **changed}), names)), changed
+    for mesh_shape, placements in (((3,), [Shard(0)]), ((6,), [Shard(0)]), ((2, 3), [Replicate(), Shard(0)])):
+        assert lora.same_weights(whole, sharded_fingerprint(frozen, mesh_shape, placements)), mesh_shape
+
+
+def test_a_fingerprint_from_before_the_positional_sums_is_compared_on_its_sums(frozen):
+    """A checkpoint written before issue 54 item 6 records [sum, sum of squares] per tensor alone: it resumes and
+    merges on the same base, and is refused on other values, as before (a reordered base passes it still)."""
+    from ddptrain.models import lora
+
+    names = list(frozen)
+    old = lora.fingerprint(holding(frozen), names)[:len(names)]
+    assert lora.same_weights(old, lora.fingerprint(holding(frozen), names))
+    assert not lora.same_weights(old, lora.fingerprint(holding({**frozen, "norm": frozen["norm"] * 2}), names))

@@ -12,14 +12,16 @@ May import: the contracts at the top (config, errors). Nothing else in ddptrain.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 from ddptrain.config import FinetuneSettings
 from ddptrain.errors import UsageError
@@ -39,17 +41,37 @@ def _peft(flag: str = "--lora_rank") -> Any:
 
 
 def default_targets(module: nn.Module) -> list[str]:
-    """The linear layers inside the model's repeated blocks (attention and MLP projections), by the names
-    peft matches (the last component); every linear layer but the output layer where the model has no
-    blocks."""
+    """The linear layers inside the model's repeated blocks (attention and MLP projections); every linear layer
+    but the output layer where the model has no blocks. Each is named as peft matches a target (the end of a
+    module's dotted name), by the fewest trailing components that name these linear layers only and do not end
+    at a bare position: `q_proj` in a transformers model, `mlp.0` in a block whose `0` would also name the first
+    block."""
     block_classes = set(getattr(module, "_no_split_modules", None) or ())
     blocks = [sub for sub in module.modules()
               if type(sub).__name__ in block_classes or isinstance(sub, tuple(getattr(module, "fsdp_blocks", ())))]
-    inside = [name for block in blocks for name, sub in block.named_modules() if isinstance(sub, nn.Linear) and name]
-    if not inside:
-        linears = [name for name, sub in module.named_modules() if isinstance(sub, nn.Linear)]
-        inside = linears[:-1]  # the last one registered writes the outputs: it keeps its full weights
-    return sorted({name.rsplit(".", 1)[-1] for name in inside})
+    chosen = {id(sub) for block in blocks for name, sub in block.named_modules() if isinstance(sub, nn.Linear) and name}
+    if not chosen:
+        linears = [sub for sub in module.modules() if isinstance(sub, nn.Linear)]
+        chosen = {id(sub) for sub in linears[:-1]}  # the last one registered writes the outputs: it keeps its weights
+    named = [(name, id(sub)) for name, sub in module.named_modules()]
+
+    @functools.cache
+    def names_chosen_only(target: str) -> bool:
+        return all(key in chosen for name, key in named if matches(name, target))
+
+    targets = set()
+    for name, key in named:
+        if key in chosen:
+            parts = name.split(".")
+            shortest = 2 if parts[-1].isdigit() and len(parts) > 1 else 1  # a position in a Sequential says nothing
+            suffixes = (".".join(parts[-length:]) for length in range(shortest, len(parts) + 1))
+            targets.add(next((target for target in suffixes if names_chosen_only(target)), name))
+    return sorted(targets)
+
+
+def matches(name: str, target: str) -> bool:
+    """Whether peft adapts the module `name` for an entry `target` of a LoRA config's target_modules."""
+    return name == target or name.endswith("." + target)
 
 
 def lora_config(finetune: FinetuneSettings, model: str, module: nn.Module) -> Any:
@@ -71,8 +93,8 @@ def apply(module: nn.Module, finetune: FinetuneSettings, model: str) -> nn.Modul
     under the same seed on every rank, as the model's own init."""
     peft = _peft()
     config = lora_config(finetune, model, module)
-    present = {name.rsplit(".", 1)[-1] for name, _ in module.named_modules()}
-    missing = sorted(set(config.target_modules) - present)
+    names = [name for name, _ in module.named_modules()]
+    missing = sorted(t for t in config.target_modules if not any(matches(name, t) for name in names))
     if missing:
         raise UsageError(f"--lora_targets: the model has no layer named {', '.join(missing)}; its linear layers "
                          f"are named {', '.join(default_targets(module)) or 'nothing'}")
@@ -134,23 +156,69 @@ def read_adapter_config(directory: Path) -> dict[str, Any]:
     return json.loads((directory / "adapter_config.json").read_text())
 
 
+# The weight of an element's position in a fingerprint: a multiplicative hash of its index in the whole tensor
+# (row-major) modulo a prime, in [1, 2). Integer arithmetic, exact, so every device and layout weighs alike;
+# the multiplier (the modulus over the golden ratio) puts neighbouring indices far apart.
+_MODULUS = 2**31 - 1
+_MULTIPLIER = 1_327_217_885
+_CHUNK_ELEMENTS = 2**20  # weighed at once: the scratch memory stays small whatever the tensor's size
+
+
 @torch.no_grad()
 def fingerprint(module: nn.Module, names: list[str]) -> list[list[float]]:
-    """Per frozen tensor of `names` (in that order): [sum, sum of squares] in float64 over this rank's part of it
-    (a sharded tensor's local shard; the caller adds the ranks' parts). What a checkpoint of adapters records of
-    the weights it was trained on, and a resume checks the rebuilt model against. Under hsdp only the first
-    replica's ranks count their shards (the others hold copies), so the sum is the same on every layout."""
+    """What a checkpoint of adapters records of the frozen weights `names` it was trained on, and a resume or a
+    merge checks the rebuilt model against: per tensor of `names` (in that order) [sum x, sum x²], then per
+    tensor [sum x·w, sum x²·w], w each element's positional weight (`_MODULUS`), so that a transposed or
+    reordered tensor differs. Pairs, in float64, over this rank's part of each tensor (a sharded tensor's local
+    shard, weighed by its place in the whole; the caller adds the ranks' parts); under hsdp only the first
+    replica's ranks count their shards (the others hold copies), so the sum is the same on every layout.
+    Checkpoints written before the positional sums hold the first half only (`same_weights`)."""
     state = module.state_dict()
-    out = []
-    for name in names:
-        value = state[name]
-        if not _first_replica(value):
-            out.append([0.0, 0.0])
-            continue
-        value = value.to_local() if hasattr(value, "to_local") else value
-        value = value.detach().to(torch.float64)
-        out.append([value.sum().item(), value.square().sum().item()])
-    return out
+    sums = [_sums(state[name]) if _first_replica(state[name]) else [0.0] * 4 for name in names]
+    return [four[:2] for four in sums] + [four[2:] for four in sums]
+
+
+def _sums(tensor: torch.Tensor) -> list[float]:
+    """[sum x, sum x², sum x·w, sum x²·w] over this rank's part of `tensor` (`fingerprint`)."""
+    offsets = _offsets(tensor)
+    local = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach()
+    if local.numel() == 0:  # an uneven split leaves the last ranks no rows
+        return [0.0] * 4
+    shape = list(tensor.shape)
+    if local.dim() == 0:
+        local, shape, offsets = local.reshape(1), [1], [0]
+    strides = [math.prod(shape[dim + 1:]) for dim in range(len(shape))]
+    device = local.device
+    within_row = torch.zeros((), dtype=torch.int64, device=device)  # index in the whole, less the row's start
+    for dim in range(1, local.dim()):
+        place = (offsets[dim] + torch.arange(local.shape[dim], device=device)) * strides[dim]
+        within_row = within_row.unsqueeze(-1) + place
+    within_row = within_row.reshape(1, -1)
+    rows_at_once = max(1, _CHUNK_ELEMENTS // max(1, within_row.numel()))
+    totals = torch.zeros(4, dtype=torch.float64, device=device)
+    for start in range(0, local.shape[0], rows_at_once):
+        x = local[start:start + rows_at_once].reshape(-1, within_row.numel()).to(torch.float64)
+        rows = offsets[0] + start + torch.arange(x.shape[0], device=device)
+        index = rows.unsqueeze(1) * strides[0] + within_row
+        weight = 1.0 + (index % _MODULUS * _MULTIPLIER % _MODULUS).to(torch.float64) / _MODULUS
+        squares = x * x
+        totals += torch.stack([x.sum(), squares.sum(), (x * weight).sum(), (squares * weight).sum()])
+    return totals.tolist()
+
+
+def _offsets(tensor: torch.Tensor) -> list[int]:
+    """Where this rank's part of `tensor` starts in the whole, per dim: a DTensor's Shard(d) splits dim d as
+    torch.chunk does (FSDP2's Shard(0); over several mesh dims, each within the last's part); a plain tensor
+    starts at 0."""
+    offsets, extents = [0] * tensor.dim(), list(tensor.shape)
+    for mesh_dim, placement in enumerate(getattr(tensor, "placements", ())):
+        if isinstance(placement, Shard):
+            dim, parts = placement.dim, tensor.device_mesh.size(mesh_dim)
+            chunk = -(-extents[dim] // parts)
+            start = min(tensor.device_mesh.get_local_rank(mesh_dim) * chunk, extents[dim])
+            offsets[dim] += start
+            extents[dim] = min(start + chunk, extents[dim]) - start
+    return offsets
 
 
 def _first_replica(tensor: torch.Tensor) -> bool:
@@ -161,7 +229,10 @@ def _first_replica(tensor: torch.Tensor) -> bool:
 
 
 def same_weights(saved: list[list[float]], now: list[list[float]]) -> bool:
-    """Whether two fingerprints are of the same weights (the sums may round differently over other shards)."""
+    """Whether two fingerprints are of the same weights (the sums may round differently over other shards). A
+    `saved` of a checkpoint written before the positional sums (half as long) is compared on the sums it has."""
+    if 2 * len(saved) == len(now):
+        now = now[:len(saved)]
     return len(saved) == len(now) and all(
         abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b)) for pair_a, pair_b in zip(saved, now)
         for a, b in zip(pair_a, pair_b))
