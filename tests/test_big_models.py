@@ -200,6 +200,61 @@ def peak_mib(run_dir: Path) -> float:
     return max(json.loads(path.read_text())["start"] for path in run_dir.glob("peak-rank-*.json"))
 
 
+def _weights_dir(root: Path, change) -> Path:
+    """A save_pretrained-like directory of a tiny Llama's config and weights, `change`d (state dict -> state dict)."""
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    llama_config().save_pretrained(root)
+    torch.manual_seed(3)
+    state = {k: v.contiguous() for k, v in transformers.LlamaForCausalLM(llama_config()).state_dict().items()}
+    save_file(change(state), str(root / "model.safetensors"), metadata={"format": "pt"})
+    return root
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
+EMBED = "model.embed_tokens.weight"
+
+
+def _cut_short(root: Path) -> None:
+    path = root / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-4096])
+
+
+@pytest.mark.parametrize("change, damage, said", [
+    # One column where the model has 32: broadcast into every column before, exit 0.
+    (lambda s: {**s, Q_PROJ: s[Q_PROJ][:, :1].contiguous()}, None,
+     f"model.safetensors: {Q_PROJ} has shape [32, 1], the model's {Q_PROJ} [32, 32]"),
+    # A resized vocabulary (80 rows, the config says 64): each rank read its rows of the first 64, exit 0.
+    (lambda s: {**s, EMBED: torch.cat([s[EMBED], s[EMBED][:16]])}, None,
+     f"model.safetensors: {EMBED} has shape [80, 32], the model's {EMBED} [64, 32]"),
+    # Integers where the model's weights are floats: cast and copied before.
+    (lambda s: {**s, Q_PROJ: torch.ones(32, 32, dtype=torch.int64)}, None,
+     f"model.safetensors: {Q_PROJ} holds I64 values, the model's {Q_PROJ} is torch.float32"),
+    # Cut short (a copy that did not finish): "incomplete metadata" before, naming no file.
+    (lambda s: s, _cut_short, "model.safetensors: cannot read it as safetensors (Error while deserializing header: "
+                              "incomplete metadata"),
+], ids=["one-column", "resized-vocabulary", "integers", "cut-short"])
+def test_fsdp_refuses_weights_of_another_shape_or_a_damaged_file_before_copying_any(tmp_path, change, damage, said):
+    """Each rank copies only its rows of each stored tensor into its shard: a tensor of another shape broadcast or
+    was cut without a word (ddp's from_pretrained refuses it). Every stored tensor's shape and dtype is checked
+    against the model's first; the run ends as bad input, naming the tensor, both shapes and the file. In this
+    process (a world of one: its shard is the whole tensor, and the copy broadcast all the same)."""
+    from ddptrain.api import train_worker
+    from ddptrain.config import resolve_config
+    from ddptrain.errors import UsageError
+
+    weights_dir = _weights_dir(tmp_path / "weights", change)
+    if damage is not None:
+        damage(weights_dir)
+    cfg = resolve_config(["--model", f"hf:{weights_dir}", *LM, "--max_steps", "1", *FSDP, "--run_dir",
+                          str(tmp_path / "run"), "--num_workers", "0", "--no-progress"])
+    with pytest.raises(UsageError) as refused:
+        train_worker(cfg)
+    assert said in str(refused.value) and str(weights_dir) in str(refused.value), refused.value
+    assert "\n" not in str(refused.value)
+
+
 def test_a_full_checkpoint_resumes_under_fsdp_with_each_rank_reading_its_own_rows(tmp_path):
     """Issue 36 item 2: a ddp (full) checkpoint resumed by 2 fsdp ranks. Each rank reads of model.safetensors and
     optimizer.pt only the rows its shards hold, so when training starts a rank has held about its half of the

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ddptrain.errors import UsageError, first_line
 from ddptrain.models import meta
 
 log = logging.getLogger("ddptrain")
@@ -120,16 +121,58 @@ def put_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
 
 def weight_files(directory: Path) -> dict[str, Path] | None:
     """Tensor name -> the safetensors file holding it, for a save_pretrained directory (one file, or the
-    files its index names); None where it has no safetensors weights."""
+    files its index names); None where it has no safetensors weights. A damaged index or file is a UsageError
+    naming it."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: directory / file for name, file in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: directory / file for name, file in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UsageError(f"{index}: not a weights index ({type(exc).__name__}: {first_line(exc)}); save the "
+                             "model again with save_pretrained") from None
     single = directory / "model.safetensors"
     if not single.is_file():
         return None
-    with safe_open(single, framework="pt") as fh:
+    with _opened(single) as fh:
         return {name: single for name in fh.keys()}
+
+
+def _opened(path: Path) -> Any:
+    """`safe_open(path)`; a file safetensors cannot read (cut short, not safetensors) is a UsageError naming it."""
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as exc:  # safetensors' SafetensorError, or an OSError
+        raise UsageError(f"{path}: cannot read it as safetensors ({first_line(exc)}): the file is damaged or "
+                         "incomplete; copy or save it again") from None
+
+
+# safetensors' dtype names of what is not a floating-point number: such a value is no weight of a float tensor.
+_NOT_FLOAT = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
+
+
+def check_stored(tensors: list[tuple[str, torch.Tensor]], stored_as: dict[str, str], files: dict[str, Path],
+                 handles: dict[Path, Any]) -> None:
+    """Every stored tensor the model will read has the model's whole shape, and a floating-point dtype where the
+    model's is one: else a UsageError naming the tensor, both shapes and the file, before anything is copied.
+    (A rank copies only its rows of each tensor, which broadcasting would fill from a tensor of the wrong
+    shape: a 32 x 1 matrix into every column of a 32 x 32 one, 80 rows cut to 64, without a word.)"""
+    for name, tensor in tensors:
+        stored = stored_as.get(name)
+        if stored not in files:
+            continue
+        path = files[stored]
+        if path not in handles:
+            handles[path] = _opened(path)
+        part = handles[path].get_slice(stored)
+        shape, dtype = tuple(part.get_shape()), part.get_dtype()
+        if shape != tuple(tensor.shape):
+            raise UsageError(f"{path}: {stored} has shape {list(shape)}, the model's {name} {list(tensor.shape)}: "
+                             "these weights are not of the model's config.json (a resized vocabulary, another "
+                             "size); load them into a model of their own shape")
+        if tensor.is_floating_point() and dtype in _NOT_FLOAT:
+            raise UsageError(f"{path}: {stored} holds {dtype} values, the model's {name} is {tensor.dtype}: not "
+                             "weights of this model")
 
 
 @torch.no_grad()
@@ -143,14 +186,16 @@ def fill_from_pretrained(model: nn.Module, directory: Path, put: meta.Put, store
     read: set[int] = set()
     handles: dict[Path, Any] = {}
     try:
+        check_stored(tensors, stored_as, files, handles)
         for name, tensor in tensors:
             stored = stored_as.get(name)
             if stored not in files or id(tensor) in read:
                 continue
-            path = files[stored]
-            if path not in handles:
-                handles[path] = safe_open(path, framework="pt")
-            value = read_rows(handles[path].get_slice(stored), shard_rows(tensor))
+            try:
+                value = read_rows(handles[files[stored]].get_slice(stored), shard_rows(tensor))
+            except Exception as exc:  # the header was whole; its data was not
+                raise UsageError(f"{files[stored]}: cannot read {stored} ({first_line(exc)}): the file is damaged; "
+                                 "copy or save it again") from None
             local_part(tensor).copy_(value.to(tensor.dtype))
             read.add(id(tensor))
     finally:
