@@ -197,6 +197,21 @@ def wait_for(path: Path, proc: subprocess.Popen, limit_s: float = 120) -> None:
         time.sleep(0.01)
 
 
+def pid_of_rank(run_dir: Path, rank: int, proc) -> int:
+    """The worker of `rank`: the process holding logs/rank-R.log open."""
+    target, deadline = str(run_dir / "logs" / f"rank-{rank}.log"), time.monotonic() + 120
+    while True:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if any(os.readlink(f"/proc/{pid}/fd/{fd}") == target for fd in os.listdir(f"/proc/{pid}/fd")):
+                    return int(pid)
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no process opened {target}"
+        time.sleep(0.01)
+
+
 def processes_holding(directory: Path) -> list[int]:
     """Pids of the processes with a file under `directory` open (a run's workers hold their rank logs)."""
     prefix, found = str(directory) + os.sep, []

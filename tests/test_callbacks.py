@@ -297,6 +297,11 @@ def test_the_best_checkpoint_is_kept_apart_from_retention_through_a_restart(tmp_
     assert_bitwise_equal(weights(tmp_path / "best.safetensors"), weights(tmp_path / "ref.safetensors"))
     assert_bitwise_equal(weights(run / "model.safetensors"), weights(tmp_path / "ref.safetensors"))
     assert "the final weights are those of" in (run / "logs" / "rank-0.log").read_text()
+    # The last line says whose weights the files hold beside the last eval's metrics (it showed step 8's loss
+    # beside step 2's weights, as if they were one step's).
+    done = [line for line in proc.stdout.splitlines() if "done: 8 steps" in line]
+    assert done and f"(at step 8). run dir {run}" in done[0], proc.stdout
+    assert f"weights of step 2 (best loss {losses[2]:.4f}) {run / 'model.safetensors'}" in done[0], done
     from safetensors import safe_open
 
     with safe_open(str(run / "model.safetensors"), "pt") as final:

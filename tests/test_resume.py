@@ -21,6 +21,7 @@ from helpers import (
     last_committed,
     metrics,
     optimizer_state,
+    pid_of_rank,
     processes_holding,
     start_cli,
     train,
@@ -113,6 +114,36 @@ def test_preemption_signal_commits_checkpoint_and_exits_75(tmp_path, slow_refere
     assert not (tmp_path / "model.safetensors").exists()
     train(tmp_path, *JOB, *SLOW, nproc=2)
     assert_same_result(tmp_path, slow_reference)
+
+
+@pytest.mark.parametrize("to", ["launcher", "rank 1"])
+def test_a_signal_during_the_final_save_finishes_it_exits_75_and_a_rerun_changes_nothing(tmp_path, to):
+    """SIGTERM to the launcher (which forwards it to every worker) or SIGUSR1 to one rank, while the final save is
+    in progress: the signal stays a flag, the save goes on to the end, and the job exits 75 saying the run is
+    complete. Before, the workers died mid-save: exit 143 "stopped by SIGTERM before a checkpoint committed", or
+    exit 1 "Signal 10 received". The save is held open by a stall that the signal itself ends (faults.py), so
+    the signal lands inside it however fast the machine. The rerun of the complete run reads what it recorded and
+    writes nothing: before, it evaluated the last step again (a second line) and wrote the final weights again."""
+    rank = 0 if to == "launcher" else 1
+    proc = start_cli(["train", *TINY, "--run_dir", str(tmp_path), "--nproc", "2", "--epochs", "2",
+                      "--save_every_steps", "3", "--inject_fault", f"rank={rank},step=8,kind=stall,at=final,seconds=600"])
+    pid = pid_of_rank(tmp_path, rank, proc)
+    wait_for(tmp_path / "checkpoints" / "step-8" / "manifest.json", proc)  # the last: the final save is next
+    os.kill(proc.pid, signal.SIGTERM) if to == "launcher" else os.kill(pid, signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    signal_name = "SIGTERM" if to == "launcher" else "SIGUSR1 on rank 1"
+    assert (f"preempted by {signal_name} during the run's end, which finished: the run is complete at step 8 (final "
+            "weights written); exit 75") in err, err
+    assert weights(tmp_path / "model.safetensors").keys()
+    record = (tmp_path / "metrics.jsonl").read_text()
+    assert [(r["step"], r["epoch"]) for r in metrics(tmp_path, "eval")] == [(4, 0), (8, 1)]
+    written = (tmp_path / "model.safetensors").stat().st_mtime_ns
+    rerun = train(tmp_path, "--epochs", "2", "--save_every_steps", "3", nproc=2)
+    assert "run already complete at step 8 (2 epochs)" in rerun.stdout and "nothing changed" in rerun.stdout, rerun.stdout
+    assert (tmp_path / "metrics.jsonl").read_text() == record
+    assert (tmp_path / "model.safetensors").stat().st_mtime_ns == written
+    assert last_committed(tmp_path).name == "step-8"
 
 
 def test_async_checkpoint_gives_the_same_result(tmp_path, reference):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import TINY, metrics, start_cli, train
+from helpers import TINY, metrics, pid_of_rank, start_cli, train
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from ddptrain.parallel.launch import _every_failure, _failure_text, _root_cause
@@ -212,21 +212,6 @@ def test_heartbeat_survives_a_failing_store_and_says_so_once(tmp_path):
 HANG_S = 3  # --hang_timeout_s of these runs; the job must fail within it + 10 s of the freeze
 
 
-def _pid_of_rank(run_dir: Path, rank: int, proc) -> int:
-    """The worker of `rank`: the process holding logs/rank-R.log open."""
-    target, deadline = str(run_dir / "logs" / f"rank-{rank}.log"), time.monotonic() + 120
-    while True:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if any(os.readlink(f"/proc/{pid}/fd/{fd}") == target for fd in os.listdir(f"/proc/{pid}/fd")):
-                    return int(pid)
-            except OSError:  # gone meanwhile, or not ours to read
-                continue
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"no process opened {target}"
-        time.sleep(0.01)
-
-
 def _time_to_failure(proc, pid: int, freeze: Callable[[], None]) -> tuple[str, float]:
     """Wait until `pid` is stopped (by `freeze`, or by its own fault), then for the job's end: (stderr, seconds
     from the freeze to the end). Ends both if the job outlives the test's patience."""
@@ -259,23 +244,34 @@ def _assert_named(err: str, seconds: float, rank: int) -> None:
     assert f"rank {rank} on host {HOST} stopped responding (" in last, err
 
 
-@pytest.mark.parametrize("rank, fault, extra", [
+@pytest.mark.parametrize("rank, fault, extra, phase", [
+    # As its Trainer starts to build (its watchdog runs from the worker's first log line): the other rank waits in
+    # a collective of the build, under the start-up limit (--init_timeout_s, 900 s).
+    (1, "rank=1,step=0,kind=stop,at=startup", [], "startup"),
+    # As the model's weights come in: the other waits in the first collective after the build.
+    (1, "rank=1,step=0,kind=stop,at=load", [], "load"),
     # Mid-step, before its first micro-batch: the other rank waits in the gradient all-reduce.
-    (1, "rank=1,step=3,kind=stop", []),
+    (1, "rank=1,step=3,kind=stop", [], None),
     # During an eval: the other waits in the eval's reduction.
-    (1, "rank=1,step=2,kind=stop,at=eval", ["--eval_every_steps", "2"]),
+    (1, "rank=1,step=2,kind=stop,at=eval", ["--eval_every_steps", "2"], "eval"),
     # Writing a checkpoint, as rank 0, which also serves the job's store: rank 1 waits in the checkpoint phase,
-    # whose own limit (--checkpoint_timeout_s, 900 s) is far off, and no read of the store answers.
-    (0, "rank=0,step=2,kind=stop,at=save", ["--save_every_steps", "2"]),
+    # whose own limit (--checkpoint_timeout_s, 900 s) is far off, and no read of the store answers (nor tells
+    # rank 0's phase since its last beat read).
+    (0, "rank=0,step=2,kind=stop,at=save", ["--save_every_steps", "2"], None),
     # Taking its state for a checkpoint: rank 0 waits for it in the checkpoint phase.
-    (1, "rank=1,step=2,kind=stop,at=snapshot", ["--save_every_steps", "2"]),
-], ids=["mid-step", "eval", "rank0-checkpoint-write", "checkpoint-snapshot"])
-def test_a_stopped_rank_fails_the_job_within_the_hang_timeout_and_is_named(tmp_path, rank, fault, extra):
+    (1, "rank=1,step=2,kind=stop,at=snapshot", ["--save_every_steps", "2"], "checkpoint"),
+    # The final save, after the last checkpoint committed: rank 0 waits for its part of the weights. Before, the
+    # watchdog had ended with the loop, and nothing named it.
+    (1, "rank=1,step=6,kind=stop,at=final", [], "final save"),
+], ids=["startup", "load", "mid-step", "eval", "rank0-checkpoint-write", "checkpoint-snapshot", "final-save"])
+def test_a_stopped_rank_fails_the_job_within_the_hang_timeout_and_is_named(tmp_path, rank, fault, extra, phase):
     proc = start_cli(["train", *TINY, "--run_dir", str(tmp_path), "--nproc", "2", "--max_steps", "6",
                       "--hang_timeout_s", str(HANG_S), "--inject_fault", fault, *extra])
-    err, seconds = _time_to_failure(proc, _pid_of_rank(tmp_path, rank, proc), freeze=lambda: None)
+    err, seconds = _time_to_failure(proc, pid_of_rank(tmp_path, rank, proc), freeze=lambda: None)
     assert proc.returncode == 1, err
     _assert_named(err, seconds, rank)
+    if phase is not None:  # a phase entered a few times a run is published as it is entered
+        assert re.search(rf"stopped responding \(last heartbeat \d+ s ago at step \d+, phase {phase}\)", err), err
     assert "injected fault" not in err, err  # (the fault stops the process; it says nothing)
 
 
@@ -284,7 +280,7 @@ def test_an_external_sigstop_after_start_up_is_named(tmp_path):
     checkpoint write: each epoch is 4 steps, with an eval and a checkpoint at its end)."""
     proc = start_cli(["train", *TINY, "--run_dir", str(tmp_path), "--nproc", "2", "--epochs", "100000",
                       "--hang_timeout_s", str(HANG_S)])
-    pid, trained = _pid_of_rank(tmp_path, 1, proc), tmp_path / "metrics.jsonl"
+    pid, trained = pid_of_rank(tmp_path, 1, proc), tmp_path / "metrics.jsonl"
 
     def freeze() -> None:
         deadline = time.monotonic() + 120

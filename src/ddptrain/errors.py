@@ -34,12 +34,16 @@ class WorkerFailed(TrainingError):
 
 
 class Preempted(Exception):
-    """Raised at a step boundary after the preemption checkpoint has committed on all ranks."""
+    """Raised at a step boundary after the preemption checkpoint has committed on all ranks, or at the end of a
+    complete run that a signal reached during its final save (`finished`)."""
 
-    def __init__(self, step: int, signal_name: str):
-        super().__init__(f"preempted by {signal_name}: checkpoint at step {step} committed")
+    def __init__(self, step: int, signal_name: str, finished: bool = False):
+        super().__init__(f"preempted by {signal_name} during the run's end, which finished: the run is complete at "
+                         f"step {step}" if finished else f"preempted by {signal_name}: checkpoint at step {step} "
+                         "committed")
         self.step = step
         self.signal_name = signal_name
+        self.finished = finished  # the signal came during the final save, which went on to the end
 
 
 def say_error(message: str) -> None:

@@ -11,15 +11,20 @@ A spec is ``key=value`` pairs separated by commas, from ``--inject_fault`` or ``
     rank=0,step=6,kind=ioerror,at=load,times=2  # reading checkpoint step-6 fails with EIO twice, then works
     rank=0,step=6,kind=ioerror,at=best,times=2  # keeping step-6 as best/ fails with ENOSPC twice, then works
     rank=0,step=6,kind=corrupt-checkpoint # flips a byte in the checkpoint of step 6 after it commits
-    rank=0,step=4,kind=stall,at=save,seconds=30  # a slow checkpoint write: sleeps 30 s, then goes on
+    rank=0,step=4,kind=stall,at=save,seconds=30  # a slow checkpoint write: sleeps 30 s (or until SIGTERM/SIGUSR1)
     rank=1,step=4,kind=stop,at=eval       # SIGSTOPs itself in the eval after step 4: frozen, heartbeat too
+    rank=1,step=0,kind=stop,at=startup    # SIGSTOPs itself as its Trainer starts to build
+    rank=1,step=0,kind=stop,at=load       # ... as the model's weights come in (step=S>0: reading step-S)
+    rank=1,step=8,kind=stop,at=final      # ... as the final save after the last step, 8, starts
 
 Steps are numbered like `metrics.jsonl` and `checkpoints/step-N`: step N is the N-th optimizer step.
 
 ``at=save`` fires on the rank named: every rank writes its shards, and the fault fires on that rank once its
 shard files are written, inside DCP's collective save. ``at=load`` with ``kind=ioerror`` makes reading
 checkpoint ``step-S`` raise ``OSError(EIO)`` the first ``times`` reads (default 1): a transient I/O error.
-``at=eval`` fires on the rank named as it starts the evaluation that follows step S.
+``at=eval`` fires on the rank named as it starts the evaluation that follows step S. ``at=startup`` (step 0)
+fires as the Trainer starts to build, ``at=load`` with a kind other than ioerror as the weights come in (step 0)
+or checkpoint step-S is read, ``at=final`` as the final save after the last step S starts.
 
 ``kind=hang`` stops the main thread only (its watchdog threads go on: a rank that makes no progress);
 ``kind=stop`` stops the whole process with SIGSTOP (a frozen VM or a ^Z: nothing in it runs, its heartbeat
@@ -35,13 +40,14 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ddptrain.errors import UsageError
 
 KINDS = ("raise", "sigkill", "exit", "hang", "stop", "stall", "nan", "corrupt-checkpoint", "ioerror")
-PLACES = ("step", "save", "snapshot", "load", "best", "eval")
+PLACES = ("step", "save", "snapshot", "load", "best", "eval", "startup", "final")
 ENV_VAR = "DDPTRAIN_FAULT"
 
 
@@ -85,8 +91,9 @@ class FaultSpec:
             raise UsageError(f"{source}: kind must be one of {', '.join(KINDS)}")
         if fields.get("at", "step") not in PLACES:
             raise UsageError(f"{source}: at must be one of {', '.join(PLACES)}")
-        if (fields["kind"] == "ioerror") != (fields.get("at") in ("load", "best")):
-            raise UsageError(f"{source}: kind=ioerror goes with at=load or at=best, and they with kind=ioerror")
+        kind, at = fields["kind"], fields.get("at", "step")
+        if kind == "ioerror" and at not in ("load", "best") or at == "best" and kind != "ioerror":
+            raise UsageError(f"{source}: kind=ioerror goes with at=load or at=best, and at=best with kind=ioerror")
         return cls(kind=fields["kind"], at=fields.get("at", "step"), **ints)
 
 
@@ -98,6 +105,9 @@ class FaultInjector:
         spec = FaultSpec.parse(spec_text, source=ENV_VAR) if spec_text else None
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.spec = spec if spec and spec.rank == rank and spec.restart == restart else None
+        # Whether a preemption signal reached this process (the Trainer's StopSignals): a stall ends then, so that
+        # a test can signal a save it knows to be in progress and need not guess how long it lasts.
+        self.interrupted: Callable[[], bool] = lambda: False
 
     def _due(self, step: int, at: str, micro: int = 0) -> bool:
         s = self.spec
@@ -128,9 +138,23 @@ class FaultInjector:
         if self._due(step, "eval"):
             self._fire(f"the evaluation after step {step}")
 
+    def at_startup(self) -> None:
+        """Called on every rank as its Trainer starts to build (step=0 names it), its watchdog running."""
+        if self._due(0, "startup"):
+            self._fire("start-up")
+
     def at_load(self, step: int) -> None:
-        """Called before each attempt to read checkpoint step-`step`: kind=ioerror raises EIO `times` times."""
+        """Called before each attempt to read checkpoint step-`step` (and with 0, before the model's weights come
+        in): kind=ioerror raises EIO `times` times; another kind fires there."""
+        if self._due(step, "load") and self.spec.kind != "ioerror":
+            self._fire(f"reading the checkpoint of step {step}" if step else "loading the model's weights")
         self._io_error(step, "load", errno.EIO, f"reading the checkpoint of step {step}")
+
+    def at_final(self, step: int) -> None:
+        """Called on every rank as it starts the final save, after the last step `step` (its checkpoint
+        committed)."""
+        if self._due(step, "final"):
+            self._fire(f"the final save after step {step}")
 
     def at_best(self, step: int) -> None:
         """Called on rank 0 before each attempt to make step-`step` best/: kind=ioerror raises ENOSPC (a full
@@ -167,5 +191,7 @@ class FaultInjector:
                 time.sleep(3600)
         if spec.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
-        if spec.kind == "stall":
-            time.sleep(spec.seconds)
+        if spec.kind == "stall":  # (a signal that the loop keeps as a flag ends it: see `interrupted`)
+            deadline = time.monotonic() + spec.seconds
+            while time.monotonic() < deadline and not self.interrupted():
+                time.sleep(0.01)

@@ -206,6 +206,13 @@ class LoopState:
         self.stopped: dict[str, Any] | None = None  # {"step", "reason"} once every rank agreed to stop early
         self.last_eval: dict[str, Any] = {}
 
+    def agree_to_stop(self, step: int, reason: str) -> None:
+        """Record the stop every rank agreed on at this step: no step follows, and every later checkpoint holds
+        it, so a run killed or preempted after the decision makes it again at the same step. All ranks."""
+        if self.stopped is None:
+            self.stopped = {"step": step, "reason": reason}
+            log.info("stopping at step %d: %s", step, reason)
+
     def settle(self) -> None:
         """The log's last line written (a checkpoint's window starts after it), the sample ids on disk, the vote
         cast at this boundary read: its outcome rides in the checkpoint. All ranks."""

@@ -1,9 +1,12 @@
-"""The end of a run: which weights are final (--load_best_at_end) and the files that hold them
-(RUN_DIR/model.safetensors, hf/ or LoRA's adapter, the --ema_decay average)."""
+"""The end of a run: which weights are final (--load_best_at_end), the files that hold them
+(RUN_DIR/model.safetensors, hf/ or LoRA's adapter, the --ema_decay average), and the record that the run is
+complete (RUN_DIR/FINISHED), which a rerun reads to change nothing."""
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,7 @@ from ddptrain.config import DataSettings
 from ddptrain.errors import TrainingError
 from ddptrain.loop.checkpointed import ModelState, RankStates
 from ddptrain.models import hf, lora
+from ddptrain.parallel.procenv import FINISHED_MARKER, PREEMPTED_MARKER
 
 log = logging.getLogger("ddptrain")
 
@@ -23,8 +27,19 @@ class FinalWeights:
         self.data, self.ctx, self.run_dir = data, ctx, run_dir  # [data]: the model and tokenizer the files name
         self.model, self.checkpoints, self.ema = model, checkpoints, ema
         self.step = 0  # the step of the weights the final files hold
+        self.best: dict[str, Any] | None = None  # --load_best_at_end: the best step's metric, where it loaded one
+        self.signalled: str | None = None  # a signal that came during the run's end, which went on to finish
         if hf.is_transformers(model.module) and ctx.is_main:  # now: a run that fails later leaves it too
             model.module.config.save_pretrained(run_dir / hf.HF_DIR)  # what `ddptrain export --hf` rebuilds it from
+
+    def write(self, last_step: int, load_best: bool) -> None:
+        """The final files, of the last step's weights or (`load_best`: --load_best_at_end) best/'s."""
+        self.step = last_step
+        if load_best:
+            self.checkpoints.confirm_best()  # best/ committed before its weights become the final ones
+            self.load_best(last_step)
+        self.export()
+        self.checkpoints.confirm_best()  # after the weights: a best/ that could not be made fails a finished run
 
     def load_best(self, last_step: int) -> None:
         """best/'s weights into the model (and its average into the EMA), so that the final weights are the best
@@ -38,6 +53,7 @@ class FinalWeights:
         self.model.load_weights(loaded)  # the optimizer's too: only weights are written from here
         self.step = loaded.position.step
         about = read_json(loaded.path / BEST_ABOUT) or {}
+        self.best = {"metric": about.get("metric"), "value": about.get("value")}
         if self.ema is not None:
             ranks = RankStates(loaded.trainer["rng"], self.ctx.rank, self.ctx.world_size)
             restored = self.ema.restore_now(ranks.own.get("callbacks", {}).get(self.ema.name),
@@ -83,3 +99,45 @@ class FinalWeights:
                 averaged = {k: v.clone() for k, v in parallel.state_dict(frozen).items()}  # copy before the swap back
             if self.ctx.is_main:
                 write_atomic(self.run_dir / "model_ema.safetensors", safetensors_bytes(averaged, metadata=ema_meta))
+
+    def about(self) -> dict[str, Any]:
+        """What the final files hold, for the run's summary: their step, and the best step's metric where
+        --load_best_at_end loaded it."""
+        return {"weights_step": self.step, **({"best": self.best} if self.best else {})}
+
+    # --- the record of the end --------------------------------------------------------------------
+    def finished(self) -> dict[str, Any] | None:
+        """RUN_DIR/FINISHED as rank 0 reads it (on every rank): the step, time and summary of this run's end, or
+        None where it has not ended (or its record cannot be read). All ranks."""
+        record = None
+        if self.ctx.is_main:
+            try:
+                record = json.loads((self.run_dir / FINISHED_MARKER).read_text())
+            except (OSError, ValueError):
+                record = None
+            if not (isinstance(record, dict) and isinstance(record.get("step"), int) and "summary" in record):
+                record = None  # an earlier version's record holds no summary: the run's end is made again
+        return self.ctx.broadcast_object(record)
+
+    def clear_markers(self) -> None:
+        """The run goes on: its FINISHED and PREEMPTED markers of an earlier end are gone (rank 0)."""
+        if self.ctx.is_main:
+            for marker in (PREEMPTED_MARKER, FINISHED_MARKER):
+                (self.run_dir / marker).unlink(missing_ok=True)
+
+    def record_finished(self, summary: dict[str, Any], signal_name: str | None) -> None:
+        """RUN_DIR/FINISHED: the run is complete and its final files written (rank 0). A signal that came during
+        the end (`signal_name`, kept as `signalled` on every rank) is recorded as a preemption of a complete run,
+        which the launcher reports."""
+        self.signalled = signal_name
+        if not self.ctx.is_main:
+            return
+        now = time.time()
+        if signal_name is not None:
+            write_atomic(self.run_dir / PREEMPTED_MARKER, json.dumps(
+                {"step": summary["step"], "signal": signal_name, "finished": True, "time": now}).encode())
+            log.warning("%s came during the run's end, which finished: the run is complete at step %d, its final "
+                        "weights written; exiting as preempted (a rerun finds it complete and changes nothing)",
+                        signal_name, summary["step"])
+        write_atomic(self.run_dir / FINISHED_MARKER,
+                     json.dumps({"step": summary["step"], "time": now, "summary": summary}).encode())

@@ -32,6 +32,12 @@ class StopSignals:
         self.deadline = started + parse_duration(max_time, "--max_time") if max_time else None
         self._previous: dict[int, Any] = {}
 
+    def agreed(self, ctx: Any) -> str | None:
+        """The signal any rank received so far (its name, or "a peer's signal"), or None if none did. All ranks:
+        one gather on the control group."""
+        names = ctx.all_gather_object(self.received)
+        return self.received or next((f"{name} on rank {rank}" for rank, name in enumerate(names) if name), None)
+
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.time() >= self.deadline
 

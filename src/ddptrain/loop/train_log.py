@@ -278,19 +278,28 @@ class TrainLog:
                 "step_time_s_by_rank": [round(t, 6) for t in times],
                 "data_wait_s_by_rank": [round(w, 6) for _, w, _ in per_rank]}
 
-    def summary(self, position: Any, last_eval: dict[str, Any], elapsed: float, run_dir: Any) -> dict[str, Any]:
+    def summary(self, position: Any, last_eval: dict[str, Any], elapsed: float, run_dir: Any,
+                weights: dict[str, Any] | None = None) -> dict[str, Any]:
         """What `fit` returns, and its last line on rank 0: steps, updates (and those skipped as non-finite),
-        epochs, time, the last eval's metrics, where the run's files are."""
+        epochs, time, the last eval's metrics (and its step), where the run's files are. `weights`
+        (`FinalWeights.about`): the step the final weights are of, where that is another (--load_best_at_end)."""
         metrics = {k: v for k, v in last_eval.items() if k != "step"}
         skipped = self.skipped_total
         summary = {"step": position.step, "updates": position.step - skipped, "epoch": position.epoch,
                    "elapsed_s": elapsed, "eval": metrics, "eval_loss": metrics.get("loss"),
-                   "eval_accuracy": metrics.get("accuracy")}
+                   "eval_accuracy": metrics.get("accuracy"), **(weights or {})}
         if self.ctx.is_main:
             shown = "".join(f", eval {k} {v:.4f}" for k, v in metrics.items()
                             if isinstance(v, float) and k != "tokens_per_sec")
+            of = summary.get("weights_step", position.step)
+            if shown and (last_eval.get("step") not in (None, position.step) or of != position.step):
+                shown += f" (at step {last_eval.get('step', position.step)})"
             updates = f"{summary['updates']} updates" + (f" ({skipped} skipped: non-finite)" if skipped else "")
-            log.info("done: %d steps, %s, %d epochs in %.1f s%s. run dir %s · metrics %s · weights %s",
+            best = summary.get("best")
+            whose = "" if of == position.step else (
+                f" of step {of}" + (f" (best {best['metric']} {best['value']:.4f})" if best and
+                                    isinstance(best.get("value"), float) else ""))
+            log.info("done: %d steps, %s, %d epochs in %.1f s%s. run dir %s · metrics %s · weights%s %s",
                      summary["step"], updates, summary["epoch"], elapsed, shown,
-                     run_dir, run_dir / "metrics.jsonl", run_dir / "model.safetensors")
+                     run_dir, run_dir / "metrics.jsonl", whose, run_dir / "model.safetensors")
         return summary

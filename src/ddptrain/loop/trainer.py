@@ -10,7 +10,6 @@ per `--log_interval`.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any, Iterator
 import torch
 
 import ddptrain
-from ddptrain.checkpoints.format import Position, write_atomic
+from ddptrain.checkpoints.format import Position
 from ddptrain.checkpoints.manager import CheckpointManager, SaveSchedule
 from ddptrain.config import TrainConfig
 from ddptrain.data.pipeline import BatchLayout, epoch_batches
@@ -41,12 +40,10 @@ from ddptrain.loop.step import SampleLog, StepRunner, StepServices, make_autocas
 from ddptrain.loop.train_log import Clock, TrainLog
 from ddptrain.models import hf, instantiate
 from ddptrain.observe import perf
-from ddptrain.observe.log import rank_log_path
 from ddptrain.observe.metrics import MetricSinks, ProgressBar
 from ddptrain.observe.profiler import StepProfiler
 from ddptrain.observe.trackers import Trackers
 from ddptrain.parallel.distributed import DistributedContext, LaggedVote
-from ddptrain.parallel.procenv import FINISHED_MARKER, PREEMPTED_MARKER
 from ddptrain.parallel.strategies import build_parallel, warn_unsynced_batchnorm
 from ddptrain.parallel.watchdog import Watchdog
 from ddptrain.parts import Parts
@@ -59,8 +56,15 @@ class Trainer:
     """One process's part of a job. What `parts` (api.Parts: the Python API's own model, data, task, collate,
     optimizer and schedule) leaves None is what the config names."""
 
-    def __init__(self, cfg: TrainConfig, ctx: DistributedContext, run_dir: Path, parts: Parts | None = None):
+    def __init__(self, cfg: TrainConfig, ctx: DistributedContext, run_dir: Path, parts: Parts | None = None,
+                 watchdog: Watchdog | None = None):
+        """`watchdog`: the worker's, running since the process joined the job (api.train_worker); without one the
+        Trainer builds its own, which `fit` runs."""
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
+        self.injector = FaultInjector(cfg.inject_fault, ctx.rank)
+        self._own_watchdog = watchdog is None
+        self.watchdog = watchdog or Watchdog.of_run(cfg.section("parallel"), ctx, run_dir)
+        self.injector.at_startup()
         parts, data, training = parts or Parts(), cfg.section("data"), cfg.section("training")
         built = plugged(cfg, parts)  # the task, data and model the config names where the user's code gave none
         self.task, (train_ds, eval_ds) = built.task, built.datasets
@@ -68,6 +72,8 @@ class Trainer:
         layout = BatchLayout(cfg.batch_size, ctx.world_size, cfg.grad_accum_steps)
         self.data = build_loaders(data, training, ctx, layout, train_ds, eval_ds, parts.collate_fn)
         # The model, identical on every rank (DDP would broadcast rank 0's anyway), LoRA's adapters injected.
+        self.watchdog.phase("load")  # its weights come in: from files, or the seeded init (fsdp: after sharding)
+        self.injector.at_load(0)
         self.module = module = instantiate(data, cfg.section("finetune"), built.model, ctx.device, seed=cfg.seed,
                                            sharded=cfg.strategy != "ddp", channels_last=cfg.channels_last)
         # Counted before the per-rank RNG streams start: reading a sample may draw augmentation randomness. A model
@@ -79,6 +85,7 @@ class Trainer:
         fill = (cfg.seed, hf.pretrained_dir(data) if hf.is_hf(cfg.model) else None)  # of a model built on meta
         self.parallel = build_parallel(module, ctx, cfg.section("parallel"), cfg.section("performance"), cfg.use_amp,
                                        fill)  # then its strategy's wrapper
+        self.watchdog.phase("startup")
         optim = self._build_optimization(parts)
         autocast = make_autocast(cfg.use_amp, cfg.amp_dtype, cfg.strategy, ctx.device)
         # One batch through collate, loss and metrics on every rank: a user's mistake is one line now, not a
@@ -93,7 +100,11 @@ class Trainer:
                                 self.optimizer, optim.scaler, autocast,
                                 StepServices(self.watchdog, self.profiler, self.train_log.clock, self.window,
                                              self.injector, self.sample_log))
-        self._build_callbacks(parts)
+        # The user's callbacks (`fit`'s, then --callbacks'), then the built-ins the flags ask for.
+        self.callbacks = run_callbacks(cfg.section("eval"), parts.callbacks or (), self.parallel.sharded)
+        self.run_view = TrainingRun(self)
+        if self.callbacks and ctx.is_main:
+            self.train_log.on_record = lambda record: self.callbacks.call("on_log", self.run_view, record)
         model = ModelState(module, self.optimizer, self.parallel, ctx, lambda: self.checkpoints.group, cfg.optimizer,
                            cfg.model, cfg.lora_rank)
         # The tokenizer's files, not only its path: a checkpoint continues only on the token ids it learnt.
@@ -112,6 +123,7 @@ class Trainer:
         self.final = FinalWeights(data, ctx, run_dir, model, self.checkpoints, self.callbacks.ema)
         # --max_time counts from the launch; where no launcher set its time, from here.
         self.signals = StopSignals(cfg.max_time)
+        self.injector.interrupted = lambda: self.signals.received is not None
 
     def _build_optimization(self, parts: Parts) -> OptimState:
         """Optimizer, schedule and fp16 scaler, from the [training] section. The linear scaling rule is opt-in:
@@ -135,12 +147,9 @@ class Trainer:
         return OptimState(self.optimizer, scheduler, scaler, lr, own_schedule)
 
     def _build_services(self, flops_per_sample: float, autocast: Any) -> None:
-        """What runs beside the steps: fault injector, watchdog, profiler, the control vote, the metric window,
+        """What runs beside the steps: profiler, the control vote, the metric window,
         log and sinks, the evaluator, the sample-id record. (The checkpoints, of the parts: in __init__.)"""
         cfg, ctx, run_dir, device = self.cfg, self.ctx, self.run_dir, self.ctx.device
-        self.injector = FaultInjector(cfg.inject_fault, ctx.rank)
-        self.watchdog = Watchdog(ctx, rank_log_path(run_dir, ctx.rank), cfg.hang_timeout_s,
-                                 startup_timeout_s=cfg.init_timeout_s, checkpoint_timeout_s=cfg.checkpoint_timeout_s)
         self.profiler = StepProfiler(cfg.enable_profiling, run_dir, ctx.rank, cfg.profile_wait,
                                      cfg.profile_warmup, cfg.profile_active)
         self.vote = LaggedVote(ctx, cfg.control_interval)
@@ -156,41 +165,46 @@ class Trainer:
         self.sample_log = (SampleLog(run_dir, ctx.rank, self.data.stream_position) if cfg.record_sample_ids
                            else None)
 
-    def _build_callbacks(self, parts: Parts) -> None:
-        """The user's callbacks (`fit`'s, then --callbacks'), then the built-ins the flags ask for."""
-        self.callbacks = run_callbacks(self.cfg.section("eval"), parts.callbacks or (), self.parallel.sharded)
-        self.run_view = TrainingRun(self)
-        if self.callbacks and self.ctx.is_main:
-            self.train_log.on_record = lambda record: self.callbacks.call("on_log", self.run_view, record)
-
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """Train to the end (epochs or --max_steps), evaluating each epoch and checkpointing as asked.
 
-        Must be called on all ranks. Raises Preempted after a preemption checkpoint has committed.
+        Must be called on all ranks. Raises Preempted after a preemption checkpoint has committed, and after a
+        complete run whose final save a signal interrupted (its weights written all the same).
         """
         status = "failed"
-        try:
-            summary = self._fit()
-            status = "finished"
-            return summary
-        except Preempted:
-            status = "preempted"
-            raise
-        finally:
-            if self.trackers:
-                self.trackers.close(status)  # after the weights' export: --tracker_log_model sends them
+        # A signal is a flag from the first step to the last file written: it never cuts a save or an export.
+        with self.watchdog if self._own_watchdog else contextlib.nullcontext(), self.signals:
+            try:
+                summary = self._fit()
+                status = "finished"
+            except Preempted:
+                status = "preempted"
+                raise
+            finally:
+                if self.trackers:
+                    self.watchdog.phase("teardown")
+                    self.trackers.close(status)  # after the weights' export: --tracker_log_model sends them
+        if self.final.signalled:
+            raise Preempted(self.position.step, self.final.signalled, finished=True)
+        return summary
 
     def _fit(self) -> dict[str, Any]:
         cfg, pos, data, loop_state = self.cfg, self.position, self.data, self.loop_state
         started = time.perf_counter()
-        with self.signals, self.watchdog, self.profiler, self._outputs_closed_at_exit():
-            self._resume()
+        with self.profiler, self._outputs_closed_at_exit():
+            finished = self._resume()
+            if finished is not None:  # this run's end, recorded: nothing is evaluated, saved or written again
+                log.info("run %s at step %d (%s) in %s; nothing changed (use another --run_dir, or --no-auto_resume to "
+                         "start over)", "stopped early" if loop_state.stopped else "already complete", pos.step,
+                         loop_state.stopped["reason"] if loop_state.stopped else f"{finished['summary']['epoch']} "
+                         "epochs", self.run_dir)
+                return finished["summary"]
             if loop_state.stopped is not None:
                 log.info("run stopped early at step %d (%s) in %s; nothing to train (use another --run_dir, or "
                          "--no-auto_resume to start over)", pos.step, loop_state.stopped["reason"], self.run_dir)
-            elif pos.step >= self.total_steps or pos.epoch >= cfg.epochs:
-                log.info("run already complete at step %d in %s; nothing to train (use another --run_dir, or "
+            elif not self._training():
+                log.info("run already complete at step %d in %s; its end follows (use another --run_dir, or "
                          "--no-auto_resume to start over)", pos.step, self.run_dir)
             self.callbacks.call("on_train_start", self.run_view)
             # The callbacks' state is that of the snapshot, taken before its checkpoint committed: what they
@@ -202,14 +216,16 @@ class Trainer:
                 with stream_batches(data.train, data.stream, data.stream_position, data.background) as batches:
                     while self._training():
                         self._step(batches, bar)
-            # Each pass of this loop is (the rest of) one epoch: the sampler resumes at the cursor.
+            # Each pass of this loop is (the rest of) one epoch: the sampler resumes at the cursor. A checkpoint of
+            # an epoch's last step resumes into that epoch's end (its eval, the next epoch), training on or not.
             global_batch = data.layout.global_batch_size
-            while data.stream is None and pos.epoch < cfg.epochs and self._training():
+            ended = lambda: pos.cursor > 0 and pos.cursor + global_batch > data.num_train  # noqa: E731
+            while data.stream is None and pos.epoch < cfg.epochs and (self._training() or ended()):
                 data.sampler.set_position(pos.epoch, pos.cursor)
                 with epoch_batches(data.train, background=data.background) as batches:
-                    while pos.cursor + global_batch <= data.num_train and self._training():
+                    while not ended() and self._training():
                         self._step(batches, bar)
-                if not self._training() and pos.cursor + global_batch <= data.num_train:
+                if not ended():
                     break  # --max_steps (or a stop) ended the run mid-epoch
                 # The epoch is complete: evaluate, move the cursor to the next epoch, maybe save.
                 if loop_state.last_eval.get("step") != pos.step:
@@ -231,15 +247,13 @@ class Trainer:
             self._checkpoint(now=True)
             self._wait_for_checkpoint()
         bar.close()
-        self.final.step = pos.step
-        if cfg.load_best_at_end:
-            self.checkpoints.confirm_best()  # best/ committed before its weights become the final ones
-            self.final.load_best(pos.step)
-        self.final.export()
-        self.checkpoints.confirm_best()  # after the weights: a best/ that could not be made fails a finished run
-        if self.ctx.is_main:  # every rank is past the last collective: a signal from here on finds a complete run
-            write_atomic(self.run_dir / FINISHED_MARKER, json.dumps({"step": pos.step, "time": time.time()}).encode())
-        summary = self.train_log.summary(pos, loop_state.last_eval, time.perf_counter() - started, self.run_dir)
+        self.watchdog.phase("final save")
+        self.injector.at_final(pos.step)
+        self.final.write(pos.step, cfg.load_best_at_end)
+        summary = self.train_log.summary(pos, loop_state.last_eval, time.perf_counter() - started, self.run_dir,
+                                         self.final.about())
+        # The last collective: whether a signal came during the end. One from here on finds a complete run.
+        self.final.record_finished(summary, self.signals.agreed(self.ctx))
         self.callbacks.call("on_train_end", self.run_view, summary)
         return summary
 
@@ -291,7 +305,7 @@ class Trainer:
         loop_state.last_eval = {"step": pos.step, **result}
         self.callbacks.call("on_eval", self.run_view, result)
         if self.run_view.stop_now:  # a decision on these metrics, the same on every rank: this is the last step
-            self._agree_to_stop(pos.step, self.run_view.stop_reason)
+            self.loop_state.agree_to_stop(pos.step, self.run_view.stop_reason)
         return loop_state.last_eval
 
     # --- between steps: control flags, saves -----------------------------------------------------
@@ -314,20 +328,13 @@ class Trainer:
         if line is not None:
             self.train_log.send(rows)
         if stop or self.run_view.stop_now:
-            self._agree_to_stop(step, self.run_view.stop_reason or "a callback on another rank asked to stop")
+            self.loop_state.agree_to_stop(step, self.run_view.stop_reason or "a callback on another rank asked to stop")
         if preempt or time_up:
             # The checkpoint holds a stop agreed at this step: the rerun ends here, as the run would have.
             self._checkpoint(now=True)
             self._wait_for_checkpoint()  # raises if it did not commit: no preemption claims a save it lacks
             self.signals.exit(step, preempt, self.run_dir if self.ctx.is_main else None)
         self._checkpoint(timed=bool(timed))
-
-    def _agree_to_stop(self, step: int, reason: str) -> None:
-        """Record the stop every rank agreed on at this step: no step follows, and every later checkpoint holds
-        it, so a run killed or preempted after the decision makes it again at the same step. All ranks."""
-        if self.loop_state.stopped is None:
-            self.loop_state.stopped = {"step": step, "reason": reason}
-            log.info("stopping at step %d: %s", step, reason)
 
     def _checkpoint(self, **when: Any) -> None:
         """A step boundary, handed to the checkpoint manager: it saves the run's parts if its schedule says so
@@ -346,13 +353,16 @@ class Trainer:
         """`on_checkpoint` for a checkpoint every rank now knows committed (an async one: at the next wait)."""
         self.state.parts["callbacks"].announce(self.checkpoints.last_saved_step)
 
-    def _resume(self) -> None:
-        """Restore the newest usable checkpoint (or --resume_from). All ranks."""
+    def _resume(self) -> dict[str, Any] | None:
+        """Restore the newest usable checkpoint (or --resume_from). Returns the record of this run's end
+        (`FinalWeights.finished`) where the checkpoint is the one the run finished on. All ranks."""
         self._first_step = 0
-        if self.ctx.is_main:
-            for marker in (PREEMPTED_MARKER, FINISHED_MARKER):
-                (self.run_dir / marker).unlink(missing_ok=True)
+        self.watchdog.phase("load")
+        finished = self.final.finished()
         loaded = self.state.resume(self.checkpoints, self.cfg.section("checkpoint"), self.ctx)
+        if loaded is not None and finished and finished["step"] == self.position.step and not self._training():
+            return finished
+        self.final.clear_markers()
         if loaded is not None:
             self.stepper.optimizer_stepped = bool(self.optimizer.state)
             self._first_step = self.checkpoints.last_saved_step = self.position.step
@@ -360,6 +370,7 @@ class Trainer:
         best = self.callbacks.best
         if self.ctx.is_main and best is not None and best.watch.best_step >= 0:
             self.checkpoints.owe_best({"step": best.watch.best_step, **best.about()})
+        return None
 
     # --- metrics ---------------------------------------------------------------------------------
     def _log_train(self, bar: ProgressBar) -> None:

@@ -176,16 +176,29 @@ def launch_local(target: Callable[..., Any], args: tuple, nproc: int, max_restar
     except ChildFailedError as exc:
         return _failure_outcome(exc, run_dir, started, what)
     except SignalException as exc:
+        preempted = _preempted_since(run_dir, started)
         finished = _marker_since(run_dir, FINISHED_MARKER, started)
-        if finished:  # the signal reached this launcher while the workers tore down a complete run
+        if finished and not (preempted and preempted.get("finished")):
+            # the signal reached this launcher while the workers tore down a complete run
             return Outcome(0, (f"{exc.sigval.name} after the run finished at step {finished['step']} (final "
                                "weights written); exit 0",))
-        preempted = _preempted_since(run_dir, started)
         if preempted:
-            return Outcome(EXIT_PREEMPTED, (f"preempted by {exc.sigval.name}: checkpoint of step "
-                                            f"{preempted['step']} committed; exit {EXIT_PREEMPTED} (run the same "
-                                            "command to resume)",), preempted=preempted)
+            return _preempted_outcome({**preempted, "signal": exc.sigval.name})
         return Outcome(128 + int(exc.sigval), (f"stopped by {exc.sigval.name} before a checkpoint committed",))
+
+
+def _preempted_outcome(preempted: dict) -> Outcome:
+    """Exit 75 and the line that says what the workers left: the checkpoint a preemption or the time limit
+    committed, or a complete run whose end a signal reached (`finished`: its final save went on to the end)."""
+    step, signal_name = preempted.get("step", "?"), str(preempted.get("signal", "a signal"))
+    if preempted.get("finished"):
+        why = (f"preempted by {signal_name} during the run's end, which finished: the run is complete at step "
+               f"{step} (final weights written); exit {EXIT_PREEMPTED} (a rerun finds it complete and changes "
+               "nothing)")
+    else:
+        why = ("time limit " + signal_name if signal_name.startswith("--") else f"preempted by {signal_name}") + (
+            f": checkpoint of step {step} committed; exit {EXIT_PREEMPTED} (run the same command to resume)")
+    return Outcome(EXIT_PREEMPTED, (why,), preempted=preempted)
 
 
 @contextlib.contextmanager
@@ -301,10 +314,7 @@ def _failure_outcome(exc: ChildFailedError, run_dir: Path | None, started: float
     if codes == {EXIT_PREEMPTED, -signal.SIGTERM} and _preempted_since(run_dir, started):
         codes = {EXIT_PREEMPTED}
     if codes == {EXIT_PREEMPTED}:
-        preempted = _preempted_since(run_dir, started) or {"step": "?"}
-        why = "time limit " + preempted["signal"] if str(preempted.get("signal")).startswith("--") else "preempted"
-        return Outcome(EXIT_PREEMPTED, (f"{why}: checkpoint of step {preempted['step']} committed; exit "
-                                        f"{EXIT_PREEMPTED} (run the same command to resume)",), preempted=preempted)
+        return _preempted_outcome(_preempted_since(run_dir, started) or {"step": "?"})
     if EXIT_USAGE in codes:
         # Every worker hit the same bad input: say it once.
         messages = dict.fromkeys(_failure_text(f).removeprefix("UsageError: ").strip()

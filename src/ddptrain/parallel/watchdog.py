@@ -26,18 +26,23 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
 from ddptrain.errors import EXIT_FAILURE
+from ddptrain.observe.log import rank_log_path
 from ddptrain.parallel.distributed import DistributedContext
 from ddptrain.parallel.procenv import PEER_LOSS_MARKERS, PeerVanished, record_for_launcher
 
 log = logging.getLogger("ddptrain")
 # The order phases follow within one step: of two ranks idle in the same step, the one in the earlier phase
 # is behind (in a hang the others wait inside a collective of a later phase).
-PHASE_ORDER = ("startup", "data", "forward/backward", "backward+all-reduce", "optimizer", "log", "sync", "eval",
-               "replica check", "checkpoint")
+PHASE_ORDER = ("startup", "load", "data", "forward/backward", "backward+all-reduce", "optimizer", "log", "sync",
+               "eval", "replica check", "checkpoint", "final save", "teardown")
+# Phases entered a few times a run (not once a step): a rank publishes its beat as it enters one, so that a peer
+# that reports it stopped names the phase it stopped in, not the one an interval before.
+ANNOUNCED_PHASES = frozenset({"startup", "load", "eval", "checkpoint", "final save", "teardown"})
 DONE = "done"  # the last beat of a rank that left its watchdog: silent from then on, and not stuck
 
 
@@ -90,8 +95,10 @@ class Watchdog:
                  checkpoint_timeout_s: float, store: dist.Store | None = None):
         self.ctx, self.log_path = ctx, log_path
         self.hang_timeout_s = hang_timeout_s
-        # Phases allowed longer than a step: start-up (rendezvous, first compile) and checkpoint writes.
-        self.slow_phase_limits_s = {"startup": startup_timeout_s, "checkpoint": checkpoint_timeout_s}
+        # Phases allowed longer than a step: start-up (rendezvous, building the data and the model, the first
+        # compile), reading weights or a checkpoint, checkpoint writes and the final weights' export.
+        self.slow_phase_limits_s = {"startup": startup_timeout_s, "load": max(startup_timeout_s, checkpoint_timeout_s),
+                                    "checkpoint": checkpoint_timeout_s, "final save": checkpoint_timeout_s}
         self.step, self._phase, self._since = 0, "startup", time.monotonic()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -99,6 +106,7 @@ class Watchdog:
             store = dist.distributed_c10d._get_default_store()
         self._store = store
         self._beats, self._warned = 0, False
+        self._publishing = threading.Lock()  # the heartbeat thread's beats and the main thread's announcements
         # Static facts of this process, every rank's gathered as the watchdog starts: a peer on this host that
         # finds it stopped ends it (pid and start time guard against a reused pid) and records the hang where the
         # launcher looks for its error.
@@ -114,11 +122,28 @@ class Watchdog:
         self._reading_since: float | None = None  # a store read in flight since (monotonic)
         self._entered = time.monotonic()
 
+    @classmethod
+    def of_run(cls, parallel: Any, ctx: DistributedContext, run_dir: Path) -> Watchdog:
+        """A rank's watchdog from the [parallel] section's limits, its reports in the rank's log (RUN_DIR/logs).
+        Not started: enter it."""
+        return cls(ctx, rank_log_path(run_dir, ctx.rank), parallel.hang_timeout_s,
+                   startup_timeout_s=parallel.init_timeout_s, checkpoint_timeout_s=parallel.checkpoint_timeout_s)
+
     def phase(self, name: str, step: int | None = None) -> None:
-        """Record progress: this rank entered `name`. Cheap enough for the hot path."""
+        """Record progress: this rank entered `name`. Cheap enough for the hot path (an attribute write; entering
+        one of the few ANNOUNCED_PHASES also publishes a beat)."""
+        entered = name != self._phase
         self._phase, self._since = name, time.monotonic()
         if step is not None:
             self.step = step
+        if entered and name in ANNOUNCED_PHASES and self.beating:
+            self._publish()
+
+    @property
+    def beating(self) -> bool:
+        """Whether this rank publishes heartbeats now: between entering and leaving the watchdog (not after its
+        last beat, DONE)."""
+        return self._store is not None and bool(self._threads) and not self._stop.is_set()
 
     # --- threads -------------------------------------------------------------------------------
     def __enter__(self) -> Watchdog:
@@ -152,17 +177,18 @@ class Watchdog:
         return f"ddptrain/heartbeat/{rank}"
 
     def _publish(self, phase: str | None = None) -> None:
-        self._beats += 1
-        beat = {"seq": self._beats, "step": self.step, "phase": phase or self._phase, "host": self.ctx.host,
-                "idle_s": time.monotonic() - self._since, "time": time.time()}
-        try:
-            self._store.set(self._key(self.ctx.rank), json.dumps(beat))
-        except Exception as exc:  # the store may be back at the next beat; the collectives say if not
-            if not self._warned:
-                log.warning("watchdog: rank %d cannot publish its heartbeat to the store (%s: %s); retrying "
-                            "every %.1f s, a hang report may not name the stuck rank meanwhile",
-                            self.ctx.rank, type(exc).__name__, exc, self._interval())
-                self._warned = True
+        with self._publishing:
+            self._beats += 1
+            beat = {"seq": self._beats, "step": self.step, "phase": phase or self._phase, "host": self.ctx.host,
+                    "idle_s": time.monotonic() - self._since, "time": time.time()}
+            try:
+                self._store.set(self._key(self.ctx.rank), json.dumps(beat))
+            except Exception as exc:  # the store may be back at the next beat; the collectives say if not
+                if not self._warned:
+                    log.warning("watchdog: rank %d cannot publish its heartbeat to the store (%s: %s); retrying "
+                                "every %.1f s, a hang report may not name the stuck rank meanwhile",
+                                self.ctx.rank, type(exc).__name__, exc, self._interval())
+                    self._warned = True
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self._interval()):
