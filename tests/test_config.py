@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pipeline_runs as runs
@@ -241,3 +242,29 @@ def test_validation_is_a_pure_check_and_preflight_checks_devices_and_plug_ins(tm
     (tmp_path / "checkpoints" / "step-3").mkdir(parents=True)
     cfg.settle()
     assert cfg.tensorboard and cfg.resume_from == str(tmp_path / "checkpoints" / "step-3")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--vocab_parallel"], "--vocab_parallel splits the embedding and head by rows under --strategy fsdp only "
+                           "(under ddp each rank holds whole matrices)"),
+    (["--vocab_parallel", "--strategy", "hsdp"], "(under hsdp each rank holds FSDP units)"),
+    (["--lora_alpha", "32"], "--lora_alpha scales LoRA adapters, which are off; set --lora_rank"),
+    (["--lora_alpha", "16"], "--lora_alpha scales LoRA adapters"),  # the default's value, asked for all the same
+])
+def test_a_flag_whose_default_is_on_is_refused_where_it_would_be_ignored(tmp_path, argv, words):
+    """--vocab_parallel (on by default) under ddp, --lora_alpha (16 by default) without --lora_rank: accepted and
+    ignored before, where their siblings (--cpu_offload under ddp, --lora_dropout without --lora_rank) are exit 2.
+    Asked on the command line or of `fit`; a config file is not asked (RUN_DIR/config.toml holds every value)."""
+    import ddptrain
+    from ddptrain.config import resolve_config
+
+    with pytest.raises(UsageError) as refused:
+        resolve_config(argv)
+    assert words in str(refused.value)
+    overrides = {"vocab_parallel": True} if argv[0] == "--vocab_parallel" else {"lora_alpha": float(argv[1])}
+    with pytest.raises(UsageError, match=re.escape(words)):
+        ddptrain.fit(strategy=argv[2] if len(argv) > 2 else "ddp", run_dir=str(tmp_path / "run"), **overrides)
+    resolve_config([*argv, "--strategy", "fsdp", "--lora_rank", "8"])  # where they apply
+    saved = tmp_path / "config.toml"
+    saved.write_text("vocab_parallel = true\nlora_alpha = 16.0\nstrategy = \"ddp\"\n")
+    resolve_config(["--config", str(saved)])

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.checkpoints import runlock
-from ddptrain.config import TrainConfig
+from ddptrain.config import TrainConfig, refuse_ignored
 from ddptrain.errors import (
     EXIT_PREEMPTED,
     EXIT_USAGE,
@@ -200,6 +200,7 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
             cfg.auto_resume = False
     cfg.settle()
     cfg.validate()
+    refuse_ignored(cfg, set(overrides))
     check(cfg)
     parts = Parts(model, None if train_data is None else (train_data, eval_data), task, collate_fn, optimizer,
                   scheduler, callbacks)

@@ -387,6 +387,18 @@ class TrainConfig:
                                  "plug-in")
 
 
+def refuse_ignored(cfg: TrainConfig, given: set[str]) -> None:
+    """A flag set on the command line (or as a `fit` argument: `given`) that this config would ignore, where its
+    default is on and so `validate` cannot tell it was asked for: a UsageError, as its siblings are. (A config
+    file is not asked: RUN_DIR/config.toml holds every setting, and is valid input.)"""
+    if "vocab_parallel" in given and cfg.vocab_parallel and cfg.strategy != "fsdp":
+        raise UsageError(f"--vocab_parallel splits the embedding and head by rows under --strategy fsdp only (under "
+                         f"{cfg.strategy} each rank holds {'whole matrices' if cfg.strategy == 'ddp' else 'FSDP units'}"
+                         "); drop the flag or pass --strategy fsdp")
+    if "lora_alpha" in given and not cfg.lora_rank:
+        raise UsageError("--lora_alpha scales LoRA adapters, which are off; set --lora_rank (e.g. 8)")
+
+
 BUILTIN_MODELS = ("mini_resnet", "mlp", "gpt")
 # torch's SyncBatchNorm syncs on CUDA, XPU, HPU and PrivateUse1 devices; of these, ddptrain trains on CUDA (nccl).
 # Anywhere else its forward would raise at the first step.
@@ -630,4 +642,5 @@ def resolve_config(argv: list[str], *, validate: bool = True, prog: str = "ddptr
     if validate:
         cfg.settle()
         cfg.validate()
+        refuse_ignored(cfg, set(args))
     return cfg
