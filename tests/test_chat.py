@@ -245,3 +245,24 @@ def test_token_files_train_an_hf_model_without_the_gpt_only_vocab_size(tokenizer
                     "--dataset", "tokens", "--data_dir", str(tmp_path / "tokens"), "--seq_len", "16", "--max_steps",
                     "2", "--batch_size", "4", "--no-progress", "--num_workers", "0"])
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_chat_with_no_assistant_turn_is_named_as_such_not_as_cut_off(tokenizer_dir, tmp_path, capsys):
+    """A conversation with no assistant turn has nothing to learn, however long --seq_len: it was counted as "cut off
+    by --seq_len" and, when all were so, the advice was to raise --seq_len. In this process: the tokenizing step."""
+    from ddptrain.errors import UsageError
+
+    data = tmp_path / "records.jsonl"
+    asked = [{"role": "user", "content": " ".join(words(3, i))} for i in range(3)]
+    answered = [json.dumps({"messages": conversation(i)}) for i in range(3)]
+    data.write_text("\n".join([json.dumps({"messages": [m]}) for m in asked[:1]] + answered) + "\n")
+    rows = tokenized(tokenizer_dir, data)
+    assert len(rows) == 4
+    said = capsys.readouterr().out
+    assert "1 of 4 records" in said and "have no assistant turn" in said and "first: record 0" in said, said
+    assert "cut off" not in said, said
+    only_asked = tmp_path / "asked.jsonl"
+    only_asked.write_text("".join(json.dumps({"messages": [m]}) + "\n" for m in asked))
+    with pytest.raises(UsageError) as refused:
+        tokenized(tokenizer_dir, only_asked)
+    assert "every record has no assistant turn" in str(refused.value) and "--seq_len" not in str(refused.value)

@@ -456,7 +456,8 @@ def _tokenize(records: Any, data: DataSettings, tokenizer: TextTokenizer, flag: 
                                                  data.train_on, where)
                 out["input_ids"].append(ids[:limit])
                 out["labels"].append(labels[:limit])
-                out["prompt_tokens"].append(next((j for j, label in enumerate(labels) if label != -100), len(ids)))
+                # -1: nothing to learn however long the row may be (no assistant turn), not a response cut off
+                out["prompt_tokens"].append(next((j for j, label in enumerate(labels) if label != -100), -1))
             return out
         if not data.prompt_field:
             return {"input_ids": [(seq + eos)[:limit] for seq in tokenizer.encode(texts(batch, data.text_field, first))]}
@@ -477,16 +478,27 @@ def _tokenize(records: Any, data: DataSettings, tokenizer: TextTokenizer, flag: 
 
 
 def _check_cut_off(labels: list[list[int]], prompt_tokens: list[int], data: DataSettings, flag: str, path: Path) -> None:
-    """Records whose every learnt token --seq_len cut off teach nothing: all of them is exit 2 (the loss would be
-    NaN), some of them one line with the count."""
+    """Records that teach nothing: a chat with no assistant turn (its prompt_tokens -1), or one whose every learnt
+    token --seq_len cut off. All of them is exit 2 (the loss would be NaN), some of them one line each kind with the
+    count and the first record."""
     empty = [i for i, row in enumerate(labels) if all(label == -100 for label in row)]
-    if not empty:
-        return
+    unanswered = [i for i in empty if prompt_tokens[i] < 0]
+    cut = [i for i in empty if prompt_tokens[i] >= 0]
+    no_turn = (f"no assistant turn (no message with role \"assistant\" to learn from: --train_on assistant, the "
+               "default, trains on those turns only)")
     if len(empty) == len(labels):
+        if unanswered:
+            raise UsageError(f"{flag} {path}: {'every record has' if not cut else f'{len(unanswered)} records have'} "
+                             f"{no_turn}{f' and the rest are cut off by --seq_len {data.seq_len}' if cut else ''}; "
+                             f"first: record {unanswered[0]}")
         raise UsageError(f"--seq_len {data.seq_len}: every record of {flag} {path} has its response cut off (the "
                          f"longest prompt is {max(prompt_tokens)} tokens); raise --seq_len or shorten the prompts")
-    print(f"ddptrain: {len(empty)} of {len(labels)} records of {flag} {path} have their response cut off by --seq_len "
-          f"{data.seq_len} (first: record {empty[0]}); they train nothing", flush=True)
+    if unanswered:
+        print(f"ddptrain: {len(unanswered)} of {len(labels)} records of {flag} {path} have {no_turn} (first: record "
+              f"{unanswered[0]}); they train nothing", flush=True)
+    if cut:
+        print(f"ddptrain: {len(cut)} of {len(labels)} records of {flag} {path} have their response cut off by "
+              f"--seq_len {data.seq_len} (first: record {cut[0]}); they train nothing", flush=True)
 
 
 def _key(data: DataSettings, path: Path, tokenizer: TextTokenizer) -> str:
