@@ -186,3 +186,20 @@ def test_bad_hugging_face_input_is_one_line_exit_2(case, records, tokenizer_dir,
                 "--model hf:no-such-org/no-such-model: cannot load it", "no-input-ids": "needs 'input_ids'",
                 "no-logits": "without logits"}[case]
     assert expected in line, line
+
+
+def test_the_config_written_beside_the_weights_names_the_dtype_they_are_in(tmp_path):
+    """--param_dtype bf16 casts the model after it was built from a config that says float32: RUN_DIR/hf/config.json
+    said float32 beside bf16 shards (from_pretrained then upcast them). In this process: the files written beside
+    the weights, for a model cast to bf16 and for one left in fp32; the model's own config is left as it was."""
+    from ddptrain.config import TrainConfig
+    from ddptrain.models import hf
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=32, dtype="float32")
+    model = transformers.GPT2LMHeadModel(config)
+    data = TrainConfig(model=f"hf:{tmp_path}").section("data")
+    hf.save_pretrained_files(data, model, tmp_path / "fp32")
+    hf.save_pretrained_files(data, model.to(torch.bfloat16), tmp_path / "bf16")
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert str(model.config.dtype).endswith("float32") and model.config.use_cache == config.use_cache

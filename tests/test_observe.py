@@ -87,6 +87,34 @@ def test_mfu_is_throughput_times_hand_counted_flops_over_the_peak(run):
         assert line["mfu"] == pytest.approx(line["samples_per_sec_per_rank"] * train_flops / 1e12, rel=1e-9)
 
 
+def test_a_gpts_flops_count_its_attention_whether_built_whole_or_on_the_meta_device():
+    """By hand: the built-in gpt's matmuls (qkv, proj, the MLP's two, the head) plus attention's two (q k^T and the
+    weighted sum of v), 2 FLOPs a multiply-add. Built whole on the CPU, torch's counter skipped the CPU's fused
+    attention kernel (ddp's count); built on the meta device it counted the math path's matmuls (fsdp's), so the
+    two strategies reported MFU apart. In this process."""
+    import lm_plugins
+    import torch
+
+    from ddptrain.config import TrainConfig
+    from ddptrain.loop.tasks import build_task
+    from ddptrain.models import instantiate
+    from ddptrain.observe import perf
+
+    cfg = TrainConfig(model="gpt", task="language_model", vocab_size=64, seq_len=24, width=32, num_layers=2,
+                      num_heads=2)
+    data = cfg.section("data")
+    sample = lm_plugins.MaskedSequences(1, 64, 24, 0)[0]
+    tokens, width = len(sample["input_ids"]), 32
+    per_block = 2 * tokens * width * (3 * width + width + 4 * width + 4 * width) + 2 * 2 * tokens * tokens * width
+    by_hand = 3 * (2 * per_block + 2 * tokens * width * 64)
+    for sharded in (False, True):
+        module = instantiate(data, cfg.section("finetune"), None, torch.device("cpu"), seed=0, sharded=sharded,
+                             channels_last=False)
+        on = torch.device("meta") if sharded else torch.device("cpu")
+        collate = lambda items: ([i for i, _ in items], torch.utils.data.default_collate([x for _, x in items]))  # noqa: E731
+        assert perf.task_flops_per_sample(module, build_task(data), [sample], on, collate) == by_hand, sharded
+
+
 def test_tensorboard_events_read_back_with_tensorboards_reader(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -216,12 +216,18 @@ def save_pretrained_files(data: DataSettings, module: nn.Module, out_dir: Path) 
     with weights written in HF's layout beside them, `from_pretrained(out_dir)` loads the model. Configured for
     inference: training turned the key/value cache off (`load`), the files turn it back on."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    training = module.config.use_cache
-    module.config.use_cache = True
+    config = module.config
+    training, dtype = config.use_cache, getattr(config, "dtype", None)
+    config.use_cache = True
+    # The dtype the weights beside it are written in: the model's own (--param_dtype bf16 casts it after it was
+    # built from a config that says float32).
+    written = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    if len(written) == 1:
+        config.dtype = written.pop()
     try:
-        module.config.save_pretrained(out_dir)
+        config.save_pretrained(out_dir)
     finally:
-        module.config.use_cache = training
+        config.use_cache, config.dtype = training, dtype
     generation = getattr(module, "generation_config", None)
     if generation is not None and module.can_generate():
         generation = copy.deepcopy(generation)

@@ -12,6 +12,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 from torch.utils.data import IterableDataset
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 from ddptrain.data.batch import to_device
@@ -37,6 +38,18 @@ def known_peak_tflops(device: torch.device) -> float:
     return 0.0
 
 
+def _attention_on_cpu() -> dict[Any, Any]:
+    """torch's FlopCounterMode counts the fused attention kernels of CUDA (flash, efficient, cuDNN) but not CPU's
+    (`_scaled_dot_product_flash_attention_for_cpu`), which it skips as free: a model built whole on the CPU was
+    counted without its attention, one built on the meta device (fsdp: the math path's matmuls) with it, 7-9 %
+    apart for a small Llama or gpt. The same formula as the CUDA kernels' (attention's two matmuls)."""
+    cpu_kernel = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    count = getattr(flop_counter, "sdpa_flop_count", None)
+    if cpu_kernel is None or count is None or cpu_kernel in getattr(flop_counter, "flop_registry", {}):
+        return {}
+    return {cpu_kernel: lambda query, key, value, *args, out_shape=None, **kwargs: count(query, key, value)}
+
+
 def train_flops(model: nn.Module, forward: Callable[[], Any]) -> float:
     """FLOPs of `forward()` (a forward pass of `model`, say over one sample), counted by torch's
     FlopCounterMode, times 3 for forward + backward.
@@ -44,7 +57,8 @@ def train_flops(model: nn.Module, forward: Callable[[], Any]) -> float:
     The backward pass costs about twice the forward (grads w.r.t. inputs and weights), the usual
     convention of MFU accounting. Runs in eval mode under no_grad; state is unchanged.
     """
-    with eval_mode(model), torch.no_grad(), FlopCounterMode(display=False) as counter:
+    counting = FlopCounterMode(display=False, custom_mapping=_attention_on_cpu())
+    with eval_mode(model), torch.no_grad(), counting as counter:
         forward()
     return 3.0 * counter.get_total_flops()
 
