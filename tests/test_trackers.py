@@ -1,9 +1,11 @@
 """Experiment trackers (docs/trackers.md) against a real MLflow tracking server on loopback (SQLite backend in a
 temporary directory), read back through MLflow's own client, and W&B offline, read back from its run files in
-the run dir with W&B's own reader (`wandb leet inspect --json`). The last test stops the MLflow server mid-run."""
+the run dir with W&B's own reader (`wandb leet inspect --json`). MLflow's local SQLite store is also created cut
+part-way and by two processes at once. The last test stops the MLflow server mid-run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +25,12 @@ from ddptrain.parallel.procenv import free_port
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
+from sqlalchemy import event  # noqa: E402  (the full mlflow package's)
+from sqlalchemy.engine import Engine  # noqa: E402
+
+from ddptrain.config import ObserveSettings, TrainConfig  # noqa: E402
+from ddptrain.observe import trackers  # noqa: E402
+from ddptrain.observe.trackers import MlflowBackend, Trackers  # noqa: E402
 
 # 16 steps of 2 micro-batches, checkpoints every 4; the slow dataset leaves time to signal the launcher mid-run,
 # and the control vote every step acts on the signal at the next.
@@ -276,6 +284,122 @@ def test_mlflow_s_local_default_store_works_with_mlflow_and_is_refused_in_one_li
     (run,) = _runs(MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}"), "ddptrain")
     history = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_metric_history(run.info.run_id, "train/loss")
     assert sorted(m.step for m in history) == [1, 2, 3] and run.info.status == "FINISHED"
+
+
+# Three lines of metrics.jsonl, as a 3-step run writes them.
+LINES = [{"time": 1.7e9 + step, "epoch": 0, "step": step, "split": "train", "loss": 2.5 - step / 8}
+         for step in (1, 2, 3)]
+
+
+def _run_dir(path: Path, uri: str, experiment: str = "") -> tuple[Path, ObserveSettings]:
+    """A run dir whose metrics.jsonl holds LINES, and the [observe] settings of --tracker mlflow to `uri`."""
+    path.mkdir()
+    (path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    return path, TrainConfig(tracker="mlflow", mlflow_tracking_uri=uri, mlflow_experiment=experiment).section("observe")
+
+
+class Cut(BaseException):
+    """The tracker's thread ends at a known SQL statement, as the end of the process ends it: nothing after the
+    statement runs (a BaseException, which no handler of ddptrain's or MLflow's takes for a failure)."""
+
+
+@contextlib.contextmanager
+def after_each_sql(action):
+    """`action(statement)` after each SQL statement that an engine of this process executes."""
+    def listener(conn, cursor, statement, parameters, context, executemany):
+        action(statement.lstrip())
+
+    event.listen(Engine, "after_cursor_execute", listener)
+    try:
+        yield
+    finally:
+        event.remove(Engine, "after_cursor_execute", listener)
+
+
+def _whole_run(client: MlflowClient, experiment: str) -> None:
+    (run,) = _runs(client, experiment)
+    assert run.info.status == "FINISHED" and run.data.tags["ddptrain.status"] == "finished"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert {m.step: m.value for m in history} == {line["step"]: line["loss"] for line in LINES}
+
+
+def test_a_run_cut_while_it_creates_mlflow_s_sqlite_store_leaves_no_half_made_store(tmp_path, monkeypatch):
+    """Issue 54 defect 5. MLflow creates a new SQLite store by some seventy migrations that commit one at a time;
+    on a loaded machine the end of a 3-step run stopped waiting for the tracker's thread part-way, and every
+    later open of the store it left failed: `table guardrails already exists`. Here the thread is cut right
+    after MLflow committed `CREATE TABLE guardrails`; the next start of the run then creates the store and sends
+    it the lines of metrics.jsonl, and MLflow's own client opens it and finds them."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir, observe = _run_dir(tmp_path / "run", uri)
+    entry = {MlflowBackend.ID_KEY: uuid.uuid4().hex[:12], "start_byte": 0}
+    (run_dir / "trackers.json").write_text(json.dumps({"mlflow": entry}))
+
+    def cut_after_guardrails(statement: str) -> None:
+        if statement.startswith("CREATE TABLE guardrails"):
+            raise Cut
+
+    with after_each_sql(cut_after_guardrails), pytest.raises(Cut):
+        MlflowBackend(run_dir, observe, {"lr": 0.1}, {}, dict(entry)).open()
+    monkeypatch.setattr(trackers, "CLOSE_WAIT_S", 600.0)  # a test of the store, not of the end's deadline
+    Trackers(["mlflow"], run_dir, observe, {"lr": 0.1}, {}, resume=True).close("finished")
+
+    _whole_run(MlflowClient(uri), "ddptrain")
+    assert not list(tmp_path.glob(".mlflow.db.*")), "the cut creation's own file is removed with it"
+
+
+# Each process starts a run with --tracker mlflow on a store that does not exist yet, and holds MLflow's creation
+# of it right after `CREATE TABLE guardrails` until the other process has got there too (or has ended): the two
+# are creating the store at the same moment, whatever the machine's speed.
+TWO_CREATORS = """
+import sys, time
+from pathlib import Path
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from ddptrain.config import TrainConfig
+from ddptrain.observe import trackers
+from ddptrain.observe.trackers import Trackers
+
+me, other, work, uri = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+trackers.CLOSE_WAIT_S = 600.0  # a test of the store, not of the end's deadline
+
+def meet(conn, cursor, statement, *args):
+    if statement.lstrip().startswith("CREATE TABLE guardrails"):
+        (work / f"at-guardrails-{me}").touch()
+        deadline = time.monotonic() + 120
+        while not any((work / f"{what}-{other}").exists() for what in ("at-guardrails", "ended")):
+            assert time.monotonic() < deadline, "the other process never came"
+            time.sleep(0.01)
+
+event.listen(Engine, "after_cursor_execute", meet)
+try:
+    observe = TrainConfig(tracker="mlflow", mlflow_tracking_uri=uri, mlflow_experiment=me).section("observe")
+    run = Trackers(["mlflow"], work / me, observe, {"lr": 0.1}, {}, resume=False)
+    for line in %r:
+        run.log(line)
+    run.close("finished")
+finally:
+    (work / f"ended-{me}").touch()
+""" % (LINES,)
+
+
+def test_two_runs_creating_one_new_mlflow_sqlite_store_at_once_both_land_in_it_whole(tmp_path):
+    """Issue 54 defect 5. Two runs start on one SQLite store (as two runs in one working directory do on MLflow's
+    default) before it exists, each creating it at the same moment (TWO_CREATORS): neither tracker fails, and
+    MLflow's own client opens the store and finds both runs whole. MLflow's own creation in place leaves one of
+    them failing and, as often as not, the store half-made for good."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    for name in ("first", "second"):
+        _run_dir(tmp_path / name, uri)
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_CREATORS, me, other, str(tmp_path), uri], env=cli_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for me, other in (("first", "second"), ("second", "first"))]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0 and "tracker mlflow" not in err, err
+    client = MlflowClient(uri)
+    for name in ("first", "second"):
+        _whole_run(client, name)
+    assert not list(tmp_path.glob(".mlflow.db.*"))
 
 
 def test_a_killed_preempted_and_rerun_job_is_one_offline_wandb_run_each_folder_a_whole_mirror(tmp_path):

@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import queue
+import sqlite3
 import threading
 import time
 import uuid
@@ -65,10 +66,8 @@ def require_tracker(name: str, observe: ObserveSettings) -> None:
     except ImportError:
         raise UsageError(f"--tracker {name} needs the {module} package: pip install 'ddptrain[{extra}]'") from None
     if name == "mlflow":
-        import mlflow
-
-        uri = observe.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
-        if uri.split(":", 1)[0].split("+", 1)[0] in MLFLOW_DATABASE_SCHEMES:
+        uri = _mlflow_uri(observe)
+        if _scheme(uri) in MLFLOW_DATABASE_SCHEMES:
             try:
                 import sqlalchemy  # noqa: F401
             except ImportError:
@@ -76,6 +75,70 @@ def require_tracker(name: str, observe: ObserveSettings) -> None:
                     f"--tracker mlflow: the store {uri} is a database, which needs the full mlflow package "
                     "(ddptrain[mlflow] installs mlflow-skinny, a client): pip install mlflow, or pass "
                     "--mlflow_tracking_uri http://HOST:PORT of a tracking server") from None
+
+
+def _mlflow_uri(observe: ObserveSettings) -> str:
+    """The MLflow store a run writes to: --mlflow_tracking_uri, else MLFLOW_TRACKING_URI, else MLflow's default."""
+    import mlflow
+
+    return observe.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+
+
+def _scheme(uri: str) -> str:
+    return uri.split(":", 1)[0].split("+", 1)[0]
+
+
+def _create_sqlite_store(uri: str) -> None:
+    """Create the MLflow store `uri` whole where it is a SQLite file that does not exist yet; else nothing.
+
+    MLflow creates a database store in place, by some seventy migrations that commit one at a time. Cut part-way
+    (a run's end that stopped waiting for its tracker's thread, a kill) or run by two processes at once, they
+    leave tables that the store's version stamp does not name, and every later open of the store fails on them
+    ("table guardrails already exists"). Here MLflow creates it in a file of this process's own beside it, and
+    the finished file is linked into place: the store is whole or absent. A link never replaces a file: of two
+    processes creating the store at once, the first to finish places it and the other uses it. A process cut
+    while it creates leaves its hidden .NAME.*.creating files, which can be deleted.
+    """
+    if _scheme(uri) != "sqlite":
+        return
+    from sqlalchemy.engine import make_url
+
+    url = make_url(uri)
+    if url.database in (None, "", ":memory:"):
+        return
+    path = Path(url.database).absolute()  # a relative path is MLflow's too: in the working directory
+    if path.exists():
+        return
+    from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    from sqlalchemy import event, pool
+
+    building = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.creating")
+
+    def unsynced(dbapi_connection: Any, record: Any) -> None:
+        # Until it is linked into place the file is this process's alone, and a crash leaves it, never the store:
+        # MLflow's commits (about a thousand) need not each wait for the disk; one fsync before the link does.
+        if (isinstance(dbapi_connection, sqlite3.Connection)
+                and dbapi_connection.execute("PRAGMA database_list").fetchone()[2] == str(building)):
+            dbapi_connection.execute("PRAGMA synchronous = OFF")
+
+    try:
+        event.listen(pool.Pool, "connect", unsynced)
+        try:
+            # The artifact root MLflow's client gives a store it creates: its default experiment records it.
+            store = SqlAlchemyStore(url.set(database=str(building)).render_as_string(hide_password=False),
+                                    DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH)
+            store.engine.dispose()  # no connection of this process keeps the file by its other name
+        finally:
+            event.remove(pool.Pool, "connect", unsynced)
+        with open(building, "rb") as fh:
+            os.fsync(fh.fileno())
+        try:
+            os.link(building, path)
+        except FileExistsError:
+            log.info("mlflow: the store %s was created by another process meanwhile; the run goes there", path)
+    finally:
+        building.unlink(missing_ok=True)
 
 
 def numeric_fields(record: dict[str, Any]) -> dict[str, float]:
@@ -279,7 +342,8 @@ class MlflowBackend:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         from mlflow.tracking import MlflowClient
 
-        uri = self.observe.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or None
+        uri = _mlflow_uri(self.observe)
+        _create_sqlite_store(uri)
         self.client = MlflowClient(tracking_uri=uri)
         if not self.entry.get("run_id"):
             self._find_or_create()
