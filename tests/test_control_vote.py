@@ -42,13 +42,16 @@ def test_preemption_is_decided_at_the_next_vote(tmp_path, interval, signal_rank,
 
 
 def test_notice_after_the_last_vote_lets_the_run_finish(tmp_path):
-    """A signal in the last steps, after the last vote, is not acted on: the run ends and commits as usual."""
+    """A signal in the last steps, after the last vote, stops nothing: the run ends, commits and writes its final
+    weights as usual, then exits 75 saying the run is complete (the signal asked the job to leave; a rerun finds it
+    complete and changes nothing)."""
     proc = train(tmp_path, *JOB, "--control_interval", "4", "--max_steps", "10", nproc=2, check=False,
                  env={"VOTE_SIGNAL_RANK": "1", "VOTE_SIGNAL_STEP": "9"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    assert "during the run's end, which finished: the run is complete at step 10" in proc.stderr
     assert last_committed(tmp_path).name == "step-10"
-    assert (tmp_path / "model.safetensors").exists()
-    assert not (tmp_path / "PREEMPTED").exists()
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "FINISHED").exists()
+    assert json.loads((tmp_path / "PREEMPTED").read_text())["finished"] is True
 
 
 def test_a_worker_stopped_by_the_agent_after_a_peer_s_preemption_exit_is_still_a_preemption(tmp_path):

@@ -318,7 +318,10 @@ def test_a_tied_weight_gpt_under_fsdp_matches_ddp_and_resumes_bitwise(tmp_path):
     train(ddp_run, *GPT, "--max_steps", "6", nproc=2)
     final = weights(straight / "model.safetensors")
     assert_bitwise_equal(weights(twice / "model.safetensors"), final)
-    assert max_diff(weights(ddp_run / "model.safetensors"), final) <= 1e-5
+    # Adam divides each gradient by its own root mean square: where a gradient is near 0, the other order of
+    # ddp's and fsdp's sums can move its update by a share of the lr. Measured 3e-5 on an AVX-512 Xeon (under
+    # 1e-5 on the machines before); a tied matrix updated twice, or a shard left out, is the lr's order (3e-3).
+    assert max_diff(weights(ddp_run / "model.safetensors"), final) <= 1e-4
     assert torch.equal(final["embed.weight"], final["head.weight"]), "the tied matrix is one matrix"
 
 
