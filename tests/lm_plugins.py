@@ -78,3 +78,18 @@ class NoLogits(torch.nn.Module):
 
 def no_logits_model(cfg):
     return NoLogits(cfg.vocab_size)
+
+
+class Bigram(torch.nn.Module):
+    """A language model that reads each token alone (no positions, no attention)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, vocab)
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.embed(input_ids)
+
+
+def bigram_model(cfg):
+    return Bigram(cfg.vocab_size)

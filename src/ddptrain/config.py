@@ -67,6 +67,10 @@ class TrainConfig:
                      group="model and data")
     seq_len: int = opt(128, "language_model: tokens per training sequence (the model's context)", min=2,
                        group="model and data")
+    packing: bool = opt(False, "language_model: place variable-length rows (hf: records, a plug-in's token rows) "
+                        "into bins of --seq_len tokens instead of padding each batch, every document kept apart "
+                        "(positions restart, no attention across documents): the same loss, without the padding",
+                        group="model and data")
     vocab_size: int = opt(256, "gpt: vocabulary size (256 = bytes; token files say theirs)", min=2,
                           group="model and data")
     num_layers: int = opt(4, "gpt: transformer blocks", min=1, group="model and data")
@@ -369,6 +373,9 @@ class TrainConfig:
                              "(e.g. 8)")
         if self.ema_decay >= 1.0:
             raise UsageError(f"--ema_decay {self.ema_decay}: must be below 1 (0.999 averages over ~1000 steps; 0 is off)")
+        if self.packing and self.task != "language_model":
+            raise UsageError(f"--packing places token rows for --task language_model, not --task {self.task}; drop "
+                             "--packing")
         if self.load_best_at_end and not self.keep_best:
             raise UsageError("--load_best_at_end loads the checkpoint --keep_best keeps, which is off; set --keep_best "
                              "(e.g. loss)")
@@ -429,7 +436,10 @@ TRAINING_SETTINGS = (
     "pad_token_id", "seq_len", "vocab_size", "num_layers", "num_heads", "num_classes", "in_channels",
     "image_size", "dataset_size", "width", "norm", "sync_batchnorm", "optimizer", "lr", "momentum", "weight_decay",
     "decay_all", "lr_schedule", "warmup_steps", "min_lr", "scale_lr", "base_batch_size", "grad_clip", "use_amp",
-    "amp_dtype", "param_dtype", "reduce_dtype", "seed")
+    "amp_dtype", "param_dtype", "reduce_dtype", "seed", "packing")
+# Settings added after runs named their dir by the digest: counted only away from their default, so that a job
+# run again on a newer version finds its run dir (and its checkpoints) where it left them.
+_DIGEST_SINCE = {"packing": False}
 
 
 def setting_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -441,7 +451,8 @@ def setting_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 def settings_digest(cfg: TrainConfig) -> str:
     """8 hex digits of the training settings: the same for every run that trains the same thing."""
-    text = "\n".join(f"{name}={getattr(cfg, name)!r}" for name in TRAINING_SETTINGS)
+    text = "\n".join(f"{name}={getattr(cfg, name)!r}" for name in TRAINING_SETTINGS
+                     if name not in _DIGEST_SINCE or getattr(cfg, name) != _DIGEST_SINCE[name])
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 

@@ -12,6 +12,7 @@ from typing import Any, Callable
 from torch.utils.data import DataLoader, IterableDataset
 
 from ddptrain.config import DataSettings, TrainingSettings
+from ddptrain.data import packing
 from ddptrain.data.pipeline import BatchLayout, GlobalOrderSampler, Reading, ShardedEvalSampler, make_loader, mix_seed
 from ddptrain.data.streams import StreamPosition, StreamShard, readers_per_rank, stream_loader
 from ddptrain.errors import UsageError
@@ -62,6 +63,11 @@ def build_loaders(data: DataSettings, training: TrainingSettings, ctx: Distribut
     a batch (default: see data.Collate)."""
     note_loader_processes(data.num_workers, ctx)
     device, seed = ctx.device, training.seed
+    if data.packing:  # the bins are the samples: the global order, resume and a new world size need nothing else
+        train_ds, eval_ds = (packing.packed(rows, data.seq_len, seed, data.pad_token_id, what)
+                             for rows, what in ((train_ds, "training"), (eval_ds, "eval")))
+    elif data.task == "language_model" and ctx.is_main:
+        packing.hint(train_ds, training.batch_size, seed)
     reading = Reading(data.num_workers, seed, data.pad_token_id, training.batch_size)
     train_seed, eval_seed = mix_seed(seed, 4, ctx.rank), mix_seed(seed, 5, ctx.rank)
     if isinstance(eval_ds, IterableDataset):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,7 @@ class MetricWindow:
         self._norms: list[tuple[int, torch.Tensor]] = []  # (index in the window, the step's gradient norm)
         self.steps = 0  # optimizer steps in the window (a resumed window includes the previous process's)
         self.units = 0  # samples or tokens this rank trained on, as the task counts them
+        self.positions = self.padding = 0  # of padded token batches (an attention_mask): positions, padded ones
         self.data_wait = 0.0
         self.spans: list[list[tuple[str, Any, Any]]] = []  # per step this process ran: (name, start, end)
         self.started = time.perf_counter()
@@ -81,6 +83,14 @@ class MetricWindow:
         loss = loss.detach()
         self._losses.append((loss, units))
         return loss * 0  # inf * 0 and NaN * 0 are NaN
+
+    def count_padding(self, batch: Any) -> None:
+        """A host batch's positions and the padded ones among them, where it says which (an attention_mask of
+        0s and 1s): what --packing would not spend compute on."""
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            self.positions += mask.numel()
+            self.padding += mask.numel() - int(mask.count_nonzero())
 
     def end_step(self, step: int, norm: torch.Tensor, spans: list) -> None:
         """A step ends with its global gradient norm: NaN or inf marks a skipped (non-finite) update."""

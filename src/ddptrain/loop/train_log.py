@@ -58,6 +58,7 @@ class _Pending:
     data_wait: float
     units: int
     util: list[float]
+    padding: tuple[int, int]  # of padded token batches: (positions, padded ones)
     breakdown: dict[str, float] = field(default_factory=lambda: {"fwd_bwd": 0.0, "optimizer": 0.0, "forward": 0.0})
     totals: WindowTotals | None = None
     mine: list[float] | None = None  # this rank's numbers for the line, once on the host (`TrainLog._read`)
@@ -127,7 +128,8 @@ class TrainLog:
         pending = _Pending(step=step, epoch=epoch, total_steps=total_steps, lr=lr, bar=bar, numbers=numbers,
                            values=values, ready=ready, log_interval=window.log_interval, spans=window.spans,
                            elapsed=time.perf_counter() - window.started, data_wait=window.data_wait,
-                           units=window.units, util=self.gpu.read())  # NVML's samples of this window
+                           units=window.units, util=self.gpu.read(),  # NVML's samples of this window
+                           padding=(window.positions, window.padding))
         if ready is None:
             self._read(pending)
         self._pending = pending
@@ -163,7 +165,7 @@ class TrainLog:
         # Per-rank timing for straggler detection: step time, data wait and own time (data wait + forward).
         own = (p.data_wait + p.breakdown["forward"]) / steps
         p.mine = [loss_sum, count, bad_loss, p.elapsed / steps, p.data_wait / steps, own, p.units,
-                  sum(p.util) / len(p.util) if p.util else math.nan]
+                  sum(p.util) / len(p.util) if p.util else math.nan, *p.padding]
 
     def finish(self) -> None:
         """Write the train line that `write` started, if any. All ranks, at the same step boundaries."""
@@ -206,9 +208,16 @@ class TrainLog:
             **self._straggler_fields([r[3:6] for r in rows]),
         }
         if self.unit == "tokens":
-            tokens_per_sec = sum(r[6] for r in rows) / elapsed if elapsed > 0 else 0.0
+            tokens = [r[6] for r in rows]
+            tokens_per_sec = sum(tokens) / elapsed if elapsed > 0 else 0.0
             record["tokens_per_sec"] = tokens_per_sec
             record["tokens_per_sec_per_rank"] = tokens_per_sec / ctx.world_size
+            # Ranks that train on unequal numbers of tokens do unequal work (padded rows, bins filled unevenly):
+            # the most of a rank over the mean.
+            record["token_skew"] = max(tokens) * len(tokens) / sum(tokens) if sum(tokens) else 1.0
+            positions = sum(r[8] for r in rows)
+            if positions:  # padded batches: the share of their positions that are padding (--packing saves it)
+                record["pad_fraction"] = sum(r[9] for r in rows) / positions
         mfu = perf.mfu(record["samples_per_sec_per_rank"], self.flops_per_sample, self.peak_tflops)
         if mfu is not None:
             record["mfu"] = mfu

@@ -136,15 +136,25 @@ class GPT(nn.Module):
     def get_output_embeddings(self) -> nn.Linear:
         return self.head
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(batch, length) token ids -> (batch, length, vocab) logits. `attention_mask` (1 = token, 0 = padding)
-        keeps padding out of the attention; right padding needs none (a causal model never looks ahead)."""
+        keeps padding out of the attention; right padding needs none (a causal model never looks ahead).
+        `position_ids` (batch, length), a packed row's (data/packing.py): each position's place in its document,
+        0 where one starts; a query then sees the earlier tokens of its own document only."""
         length = input_ids.shape[1]
         if length > self.seq_len:
             raise ValueError(f"sequence of {length} tokens is longer than the model's context of {self.seq_len}")
-        x = self.embed(input_ids) + self.position(torch.arange(length, device=input_ids.device))
+        if position_ids is None:
+            x = self.embed(input_ids) + self.position(torch.arange(length, device=input_ids.device))
+        else:
+            x = self.embed(input_ids) + self.position(position_ids)
         keep = None
-        if attention_mask is not None:
+        if position_ids is not None:
+            document = (position_ids == 0).cumsum(dim=1)
+            causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
+            keep = (causal & (document[:, :, None] == document[:, None, :]))[:, None]
+        elif attention_mask is not None:
             causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()
             # A query sees the earlier positions that are tokens, and always itself (a padded query's output
             # is never counted; attending to nothing would make it NaN).

@@ -408,11 +408,22 @@ class TokenizedRecords(Dataset):
 
     def __init__(self, directory: Path, pad_id: int):
         datasets = require("datasets", "--dataset")
+        self.directory = directory
         self.data = datasets.load_from_disk(str(directory)).with_format("torch")
         self.pad_token_id = pad_id
 
     def __len__(self) -> int:
         return len(self.data)
+
+    def row_lengths(self) -> list[int]:
+        """Each record's token count, from the lengths of its input_ids column (no record is read)."""
+        import pyarrow.compute as pc
+
+        return pc.list_value_length(self.data.data.column("input_ids")).to_pylist()
+
+    def plan_file(self, seq_len: int, seed: int) -> Path:
+        """Where --packing keeps its plan of these records' bins: beside them in the cache."""
+        return self.directory.parent / f"bins-{self.directory.name}-{seq_len}-{seed}.json"
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.data[int(index)]
