@@ -31,10 +31,11 @@ def plans(names: list[str], size: str, work: Path, with_compile: bool) -> list[t
     from benchmarks.big_model import big_model
     from benchmarks.lora import lora
     from benchmarks.options import options
+    from benchmarks.packing import packing
     from benchmarks.sections import SECTIONS
 
     table = {**SECTIONS, "options": lambda size, work: options(size, work, with_compile), "big_model": big_model,
-             "lora": lora}
+             "lora": lora, "packing": packing}
     return [(name, table[name](size, work)) for name in names]
 
 
@@ -44,7 +45,7 @@ def error_rows(name: str, exc: BaseException) -> tuple[list[Row], str]:
 
 
 ALL = ["overhead", "small_steps", "accumulation", "checkpoint", "data", "startup", "scaling", "sharding", "recompute", "options",
-       "big_model", "lora"]
+       "big_model", "lora", "packing"]
 
 
 def main(argv: list[str] | None = None) -> int:

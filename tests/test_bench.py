@@ -23,7 +23,7 @@ from benchmarks.probe import CpuAccount, Interleave, PhaseClock, StepProbe
 
 SECTION_KEYS = {"overhead", "overhead_observed", "overhead_tracked", "overhead_small", "overhead_lm", "accumulation", "checkpoint", "data_synthetic", "data_cifar",
                 "overhead_small_launches", "overhead_tensors", "overhead_tensors_launches", "startup", "scaling_miniresnet", "scaling_mlp", "overhead_fsdp", "fsdp_vs_ddp", "fsdp_accumulation",
-                "big_model", "big_model_lora", "big_model_plan", "big_model_lora_plan", "lora", "lora_memory"}
+                "big_model", "big_model_lora", "big_model_plan", "big_model_lora_plan", "lora", "lora_memory", "packing"}
 
 
 @pytest.fixture(scope="module")

@@ -151,6 +151,24 @@ def test_packed_and_padded_give_the_same_loss_over_the_same_tokens(tokenizer_dir
             assert wrong != pytest.approx(padded, rel=1e-5), (name, wrong, padded)
 
 
+def test_plan_shows_the_tokens_of_a_micro_batch_padded_and_packed(tokenizer_dir, tmp_path):  # noqa: F811
+    """`ddptrain plan` with the training flags of a language model on hf: records: the positions, tokens and
+    padding of a rank's micro-batch either way, from the records' own lengths. In this process."""
+    from ddptrain.config import TrainConfig
+    from ddptrain.tools.plan import render_tokens
+
+    rows = records(tokenizer_dir, tmp_path, "chat")
+    lengths = rows.row_lengths()
+    cfg = TrainConfig(task="language_model", model="gpt", dataset=f"hf:{tmp_path / 'chat.jsonl'}",
+                      tokenizer=str(tokenizer_dir), seq_len=SEQ_LEN, batch_size=4, run_dir=str(tmp_path / "run"))
+    table = {line.split()[0]: line.split() for line in render_tokens(cfg).splitlines()
+             if line.strip().startswith(("padded", "--packing"))}
+    padded, packed = table["padded"], table["--packing"]
+    assert packed[3] == str(4 * SEQ_LEN) and int(packed[-1]) == len(plan_bins(lengths, SEQ_LEN, cfg.seed))
+    assert int(padded[-1]) == len(lengths) and float(packed[5]) < float(padded[5])  # padding, %
+    assert render_tokens(TrainConfig()) is None  # images: no token rows
+
+
 def test_a_model_that_cannot_keep_documents_apart_is_refused_in_one_line(tmp_path):
     """A model whose forward takes no position_ids would train the documents of a bin as one text: exit 2 before
     training (in this process), as a transformers attention that ignores them is. --packing outside

@@ -402,6 +402,10 @@ def main(argv: list[str]) -> int:
         if cfg.nproc:
             gpus = [cfg.nproc]
         print(render_memory(cfg, shape, [memplan.footprint(shape, cfg, n) for n in gpus]))
+        tokens = render_tokens(cfg)
+        if tokens:
+            print()
+            print(tokens)
         if not (args.run_dir or args.step_ms is not None):
             return EXIT_OK  # memory alone: no step time to scale
         print()
@@ -453,3 +457,33 @@ def render_memory(cfg: Any, shape: memplan.ModelShape, footprints: list[memplan.
         notes = ("--cpu_offload: params, grads and optimizer state live in host memory (not in the peak). " + notes)
     table = format_table(names, rows, align="right")
     return "\n".join([textwrap.fill(header, 110), "", table, "", textwrap.fill(notes, 110)])
+
+
+def render_tokens(cfg: Any) -> str | None:
+    """For a language model on `hf:` records: the tokens a rank trains on per micro-batch padded (each batch to its
+    longest row) and packed (--packing: bins of --seq_len), from the records' lengths (tokenized as the run
+    tokenizes them, into the same cache); None for other data."""
+    if cfg.task != "language_model" or not cfg.dataset.startswith("hf:"):
+        return None
+    import random
+
+    from ddptrain.data.packing import padded_fill, plan_bins
+    from ddptrain.models import hf
+
+    train, _ = hf.build_datasets(cfg.section("data"), Path(cfg.run_dir))
+    lengths = train.row_lengths()
+    bins = len(plan_bins(lengths, cfg.seq_len, cfg.seed))
+    shuffled = list(lengths)
+    random.Random(cfg.seed).shuffle(shuffled)
+    fill, tokens, batch = padded_fill(shuffled, cfg.batch_size), sum(lengths), cfg.batch_size
+    packed_fill = tokens / (bins * cfg.seq_len)
+    rows = [["padded", f"{batch} rows", f"{batch * tokens / len(lengths) / fill:.0f}", f"{batch * tokens / len(lengths):.0f}",
+             f"{100 * (1 - fill):.0f} %", str(len(lengths))],
+            ["--packing", f"{batch} bins", f"{batch * cfg.seq_len}", f"{batch * packed_fill * cfg.seq_len:.0f}",
+             f"{100 * (1 - packed_fill):.0f} %", str(bins)]]
+    header = (f"ddptrain plan: tokens per micro-batch of a rank, {len(lengths)} records of {cfg.dataset[3:]} "
+              f"({tokens} tokens, mean {tokens / len(lengths):.0f}, longest {max(lengths)}) at --seq_len {cfg.seq_len}: "
+              f"packed, each position computed holds {packed_fill / fill:.2f}x the tokens it holds padded")
+    table = format_table(["", "micro-batch", "positions", "tokens", "padding", "samples an epoch"], rows,
+                         align="right")
+    return "\n".join([textwrap.fill(header, 110), "", table])
