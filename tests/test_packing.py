@@ -193,6 +193,8 @@ def test_a_model_that_cannot_keep_documents_apart_is_refused_in_one_line(tmp_pat
     with pytest.raises(UsageError, match="--packing places token rows for --task language_model, not --task "
                                          "classification"):
         resolve_config(["--packing"])
+    with pytest.raises(UsageError, match="--dataset pydoc is windows of --seq_len \\+ 1 tokens cut from one stream"):
+        resolve_config(["--packing", "--task", "language_model", "--model", "gpt", "--dataset", "pydoc"])
 
 
 # --- training runs -----------------------------------------------------------------------------------------------

@@ -376,6 +376,9 @@ class TrainConfig:
         if self.packing and self.task != "language_model":
             raise UsageError(f"--packing places token rows for --task language_model, not --task {self.task}; drop "
                              "--packing")
+        if self.packing and self.dataset in TEXT_DATASETS:
+            raise UsageError(f"--packing places rows of their own lengths; --dataset {self.dataset} is windows of "
+                             "--seq_len + 1 tokens cut from one stream, with no padding to save: drop --packing")
         if self.load_best_at_end and not self.keep_best:
             raise UsageError("--load_best_at_end loads the checkpoint --keep_best keeps, which is off; set --keep_best "
                              "(e.g. loss)")
