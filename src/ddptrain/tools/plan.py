@@ -44,6 +44,7 @@ pessimistic there), stragglers, data stalls, and anything but DDP's bucketed all
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import statistics
 import textwrap
@@ -465,8 +466,6 @@ def render_tokens(cfg: Any) -> str | None:
     tokenizes them, into the same cache); None for other data."""
     if cfg.task != "language_model" or not cfg.dataset.startswith("hf:"):
         return None
-    import random
-
     from ddptrain.data.packing import padded_fill, plan_bins
     from ddptrain.models import hf
 
