@@ -22,10 +22,10 @@ from typing import Any
 from benchmarks.big_model import write_llama
 from benchmarks.common import Plan, Row, bench_env, run_logged
 
-SIZES = {  # (records, Llama arguments, processes)
+SIZES = {  # (records, Llama arguments, processes: 0 trains in the command's own process)
     "full": (2000, dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4), 2),
     "quick": (800, dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4), 2),
-    "tiny": (64, dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2), 1),
+    "tiny": (64, dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2), 0),
 }
 SEQ_LEN, BATCH, TARGET = 256, 8, 1.5
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
@@ -33,7 +33,7 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['cont
 SPECIAL = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
 
 
-def write_tokenizer(directory: Path) -> int:
+def write_tokenizer(directory: Path, vocab_size: int) -> int:
     """A byte-level BPE tokenizer with BOS, EOS, pad and a chat template, trained on pydoc's text; its vocabulary
     size."""
     import tokenizers
@@ -43,7 +43,7 @@ def write_tokenizer(directory: Path) -> int:
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
     bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=1024, special_tokens=SPECIAL,
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
                                              initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator([topics[key] for key in sorted(topics)], trainer)
     bpe.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
@@ -91,7 +91,7 @@ def packing(size: str, work: Path) -> Plan:
     def finish(results: dict[str, list[dict[str, Any]]]) -> list[Row]:
         count, config, nproc = SIZES[size]
         tokenizer, data = work / "packing_tokenizer", work / "packing_chats.jsonl"
-        vocab = write_tokenizer(tokenizer)
+        vocab = write_tokenizer(tokenizer, 1024 if count > 100 else 300)
         write_chats(data, count)
         write_llama(work / "packing_llama", {**config, "vocab_size": vocab, "num_key_value_heads": 2})
         padded = epoch(work, "padded", work / "packing_llama", data, tokenizer, nproc, [])
@@ -99,7 +99,7 @@ def packing(size: str, work: Path) -> Plan:
         speed = packed["tokens_per_sec"] / padded["tokens_per_sec"]
         passed = speed >= TARGET
         note = (f"{count} chat records (question, reversed answer) on a Llama (hidden {config['hidden_size']}, "
-                f"{config['num_hidden_layers']} layers), ddp x{nproc}, --seq_len {SEQ_LEN}, {BATCH} rows or bins per "
+                f"{config['num_hidden_layers']} layers), ddp x{max(nproc, 1)}, --seq_len {SEQ_LEN}, {BATCH} rows or bins per "
                 f"rank: padded {padded['tokens_per_sec']:.0f} tokens/s over {padded['steps']} steps "
                 f"({100 * padded['pad_fraction']:.0f} % of the positions padding), packed "
                 f"{packed['tokens_per_sec']:.0f} tokens/s over {packed['steps']} steps (token skew "

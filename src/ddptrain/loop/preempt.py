@@ -64,5 +64,10 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
+        self.release()
+
+    def release(self) -> None:
+        """The handlers as they were before (a signal acts at once again). Safe to call twice."""
+        previous, self._previous = self._previous, {}
+        for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -173,7 +173,7 @@ class Trainer:
         complete run whose final save a signal interrupted (its weights written all the same).
         """
         status = "failed"
-        # A signal is a flag from the first step to the last file written: it never cuts a save or an export.
+        # A signal is a flag from the first step to the run's record: it never cuts a save or an export.
         with self.watchdog if self._own_watchdog else contextlib.nullcontext(), self.signals:
             try:
                 summary = self._fit()
@@ -252,8 +252,9 @@ class Trainer:
         self.final.write(pos.step, cfg.load_best_at_end)
         summary = self.train_log.summary(pos, loop_state.last_eval, time.perf_counter() - started, self.run_dir,
                                          self.final.about())
-        # The last collective: whether a signal came during the end. One from here on finds a complete run.
+        # The last collective: whether a signal came during the end. One from here on acts at once: the run is whole.
         self.final.record_finished(summary, self.signals.agreed(self.ctx))
+        self.signals.release()
         self.callbacks.call("on_train_end", self.run_view, summary)
         return summary
 
