@@ -146,6 +146,22 @@ def test_a_signal_during_the_final_save_finishes_it_exits_75_and_a_rerun_changes
     assert last_committed(tmp_path).name == "step-8"
 
 
+def test_a_rerun_of_a_run_stopped_early_after_its_last_save_changes_nothing(tmp_path):
+    """Early stopping decides at the epoch-end eval of step 8, after the step's own save (--save_every_steps 4): the
+    newest checkpoint holds no stop, and training would go on to step 12. The run's record holds it: the same
+    command again says the run stopped early and writes nothing (before: a second eval of step 8, the final
+    weights written again)."""
+    job = ["--epochs", "3", "--save_every", "0", "--save_every_steps", "4", "--early_stop_metric", "loss",
+           "--early_stop_patience", "1", "--early_stop_min_delta", "10"]
+    train(tmp_path, *job, nproc=2)
+    assert [r["step"] for r in metrics(tmp_path, "eval")] == [4, 8] and last_committed(tmp_path).name == "step-8"
+    record, written = (tmp_path / "metrics.jsonl").read_text(), (tmp_path / "model.safetensors").stat().st_mtime_ns
+    rerun = train(tmp_path, *job, nproc=2)
+    assert "run stopped early at step 8 (" in rerun.stdout and "nothing changed" in rerun.stdout, rerun.stdout
+    assert (tmp_path / "metrics.jsonl").read_text() == record
+    assert (tmp_path / "model.safetensors").stat().st_mtime_ns == written
+
+
 def test_async_checkpoint_gives_the_same_result(tmp_path, reference):
     train(tmp_path, *JOB, "--async_checkpoint", nproc=2)
     assert_same_result(tmp_path, reference)

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import gc
@@ -83,65 +84,67 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
         log.debug("address %s on interface %s, device %s", ctx.addr, ctx.interface, ctx.device)
         if ctx.is_main and ctx.world_size > 1:
             log.info("ranks by host: %s", netinfo.describe_hosts(ctx.hosts, ctx.addrs))
-        # From here to the last line this rank logs, a rank that stops or makes no progress is named: start-up,
-        # loading, training, the final save and the teardown alike.
-        with Watchdog.of_run(cfg.section("parallel"), ctx, run_dir) as watchdog:
-            return _train(cfg, ctx, run_dir, parts, watchdog, log)
+        return _train(cfg, ctx, run_dir, parts, Watchdog.of_run(cfg.section("parallel"), ctx, run_dir), log)
 
 
 def _train(cfg: TrainConfig, ctx: Any, run_dir: Path, parts: Parts | None, watchdog: Any,
            log: logging.Logger) -> dict[str, Any]:
-    """`train_worker`'s Trainer, built and run under the rank's watchdog; what fails reported. All ranks."""
+    """`train_worker`'s Trainer, built and run under the rank's `watchdog`; what fails reported. All ranks."""
     from ddptrain.checkpoints.format import settle_settings
     from ddptrain.loop.sanity import plugin_names, usage_error_of
     from ddptrain.loop.trainer import Trainer
 
     trainer = None
-    try:
-        if not os.environ.get(LOCAL_LAUNCH_ENV):  # else the launcher checked and wrote it
-            refusal = None
+    # From here to the teardown, a rank that stops or makes no progress is named: start-up, loading, training,
+    # the final save and the teardown alike (the process groups are destroyed after it).
+    with contextlib.ExitStack() as watched:
+        try:
+            watched.enter_context(watchdog)
+            if not os.environ.get(LOCAL_LAUNCH_ENV):  # else the launcher checked and wrote it
+                refusal = None
+                if ctx.is_main:
+                    try:
+                        settle_settings(cfg)
+                    except UsageError as exc:
+                        refusal = str(exc)
+                refusal = ctx.broadcast_object(refusal)  # every rank exits alike
+                if refusal is not None:
+                    raise UsageError(refusal)
             if ctx.is_main:
-                try:
-                    settle_settings(cfg)
-                except UsageError as exc:
-                    refusal = str(exc)
-            refusal = ctx.broadcast_object(refusal)  # every rank exits alike
-            if refusal is not None:
-                raise UsageError(refusal)
-        if ctx.is_main:
-            log.info("run dir %s · world size %d · backend %s · device %s", run_dir, ctx.world_size,
-                     ctx.backend, ctx.device)
-        parts = parts or Parts()
-        trainer = Trainer(cfg, ctx, run_dir, dataclasses.replace(parts, task=as_task(parts.task)), watchdog)
-        return trainer.fit()
-    except (UsageError, Preempted) as exc:
-        traceback.clear_frames(exc.__traceback__)  # as below: the exception must not keep the Trainer alive
-        raise
-    except Exception as exc:
-        model_name = plugin_names(cfg.section("data"), parts or Parts())["model"]
-        usage = usage_error_of(exc, trainer.module if trainer is not None else None, model_name)
-        if usage is not None:  # torch's words for a user's mistake (DDP's unused parameters): one line
-            traceback.clear_frames(exc.__traceback__)
-            raise usage from None
-        step = trainer.position.step if trainer is not None else "startup"
-        # The traceback goes once, into this rank's log; the console gets one line per rank (and, from a
-        # launcher, one naming the rank that failed first).
-        _to_rank_log(log, f"failed at step {step}:\n{traceback.format_exc()}")
-        # A peer on this host that died without a word (SIGKILL, the OOM killer) gets its error file from here.
-        vanished = watchdog.record_vanished_peers(exc)
-        line = (f"rank {ctx.rank} on host {ctx.host} failed at step {step}: {type(exc).__name__}: {first_line(exc)}"
-                f"{netinfo.lost_peers_note(str(exc), ctx.hosts, ctx.addrs, ctx.addr)}"
-                + "".join(f"; lost rank {rank} on this host: its process ended without an error" for rank in vanished))
-        sys.stderr.write(f"ddptrain: {line} (traceback in {rank_log_path(run_dir, ctx.rank)})\n")
-        record_for_launcher(exc)
-        traceback.clear_frames(exc.__traceback__)  # its frames' locals (the Trainer) become garbage now
-        raise WorkerFailed(line) from exc
-    finally:
-        watchdog.phase("teardown")
-        if trainer is not None:
-            trainer.close()  # loader workers stop now, not at a garbage collection after the group is gone
-            trainer.parallel.release()
-        trainer = None  # `distributed` frees it with the process groups: nothing else may hold it
+                log.info("run dir %s · world size %d · backend %s · device %s", run_dir, ctx.world_size,
+                         ctx.backend, ctx.device)
+            parts = parts or Parts()
+            trainer = Trainer(cfg, ctx, run_dir, dataclasses.replace(parts, task=as_task(parts.task)), watchdog)
+            return trainer.fit()
+        except (UsageError, Preempted) as exc:
+            traceback.clear_frames(exc.__traceback__)  # as below: the exception must not keep the Trainer alive
+            raise
+        except Exception as exc:
+            model_name = plugin_names(cfg.section("data"), parts or Parts())["model"]
+            usage = usage_error_of(exc, trainer.module if trainer is not None else None, model_name)
+            if usage is not None:  # torch's words for a user's mistake (DDP's unused parameters): one line
+                traceback.clear_frames(exc.__traceback__)
+                raise usage from None
+            step = trainer.position.step if trainer is not None else "startup"
+            # The traceback goes once, into this rank's log; the console gets one line per rank (and, from a
+            # launcher, one naming the rank that failed first).
+            _to_rank_log(log, f"failed at step {step}:\n{traceback.format_exc()}")
+            # A peer on this host that died without a word (SIGKILL, the OOM killer) gets its error file from here.
+            vanished = watchdog.record_vanished_peers(exc)
+            line = (f"rank {ctx.rank} on host {ctx.host} failed at step {step}: {type(exc).__name__}: {first_line(exc)}"
+                    f"{netinfo.lost_peers_note(str(exc), ctx.hosts, ctx.addrs, ctx.addr)}"
+                    + "".join(f"; lost rank {rank} on this host: its process ended without an error"
+                              for rank in vanished))
+            sys.stderr.write(f"ddptrain: {line} (traceback in {rank_log_path(run_dir, ctx.rank)})\n")
+            record_for_launcher(exc)
+            traceback.clear_frames(exc.__traceback__)  # its frames' locals (the Trainer) become garbage now
+            raise WorkerFailed(line) from exc
+        finally:
+            watchdog.phase("teardown")
+            if trainer is not None:
+                trainer.close()  # loader workers stop now, not at a garbage collection after the group is gone
+                trainer.parallel.release()
+            trainer = None  # `distributed` frees it with the process groups: nothing else may hold it
 
 
 def _to_rank_log(log: logging.Logger, message: str) -> None:

@@ -19,11 +19,12 @@ padded to `--seq_len` (one more "document" of labels -100), so every row of ever
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import inspect
 import json
 import logging
-import os
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ def plan_bins(lengths: Sequence[int], capacity: int, seed: int) -> list[list[int
     """Best-fit decreasing: rows (indices into `lengths`) into bins of at most `capacity` tokens. Each row, longest
     first, goes into the bin with the least room that still holds it (a new bin if none does); rows of equal
     length go in an order drawn from `seed`, bins are numbered as they open. Deterministic from the lengths, the
-    capacity and the seed: every rank plans the same bins. O(rows x log capacity)."""
+    capacity and the seed: every rank plans the same bins. O(rows x log² capacity)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) and (lengths.min() < 1 or lengths.max() > capacity):
         raise ValueError(f"row lengths must be within 1..{capacity}")
@@ -67,7 +68,7 @@ def plan_bins(lengths: Sequence[int], capacity: int, seed: int) -> list[list[int
 class _Rooms:
     """Open bins by the room they have left: `take(n)` removes and returns (room, bin) of the bin with the least
     room >= n (the lowest-numbered of those), `put` files one. A segment tree over the room sizes finds it in
-    O(log capacity)."""
+    O(log² capacity)."""
 
     def __init__(self, capacity: int):
         self.size = 1
@@ -170,6 +171,10 @@ class PackedRows(Dataset):
             labels.append(row_labels)
             positions.append(torch.arange(len(row_ids)))
         left = self.seq_len - sum(len(part) for part in ids)
+        if left < 0:
+            raise UsageError(f"--packing: the rows of bin {index} ({self.bins[index]}) now hold {-left} tokens more "
+                             f"than --seq_len {self.seq_len}: the dataset's rows changed length since the bins were "
+                             "planned (give rows of fixed lengths)")
         if left:  # the padding: a document of its own that nothing learns from
             ids.append(torch.full((left,), self.pad_token_id, dtype=ids[0].dtype))
             labels.append(torch.full((left,), IGNORE, dtype=labels[0].dtype))
@@ -198,6 +203,8 @@ def pack(rows: Dataset, seq_len: int, seed: int, pad_id: int, what: str,
     lengths = row_lengths(rows)
     if not lengths:
         raise UsageError(f"--packing: the {what} set has no rows")
+    if min(lengths) < 1:
+        raise UsageError(f"--packing: row {lengths.index(min(lengths))} of the {what} set has no tokens; drop it")
     longest = max(lengths)
     if longest > seq_len:
         raise UsageError(f"--packing: a row of the {what} set has {longest} tokens, more than --seq_len {seq_len}: "
@@ -205,20 +212,25 @@ def pack(rows: Dataset, seq_len: int, seed: int, pad_id: int, what: str,
     bins = _cached_plan(cache, lengths, seq_len, seed)
     tokens = sum(lengths)
     log.info("--packing: %d %s rows (%d tokens) in %d bins of %d: %.1f %% of the positions hold tokens (padded "
-             "to the longest of 8 rows: %.1f %%)", len(lengths), what, tokens, len(bins), seq_len,
-             100.0 * tokens / (len(bins) * seq_len), 100.0 * padded_fill(lengths, 8))
+             "to the longest of 8 shuffled rows: %.1f %%)", len(lengths), what, tokens, len(bins), seq_len,
+             100.0 * tokens / (len(bins) * seq_len), 100.0 * padded_fill(lengths, 8, seed))
     return PackedRows(rows, bins, seq_len, pad_id)
 
 
 def _cached_plan(cache: Path | None, lengths: list[int], seq_len: int, seed: int) -> list[list[int]]:
     if cache is not None and cache.is_file():
-        plan = json.loads(cache.read_text())
-        if plan.get("rows") == len(lengths) and plan.get("tokens") == sum(lengths):
+        try:
+            plan = json.loads(cache.read_text())
+        except (OSError, ValueError):
+            plan = {}  # planned again, and written whole
+        if plan.get("rows") == len(lengths) and plan.get("tokens") == sum(lengths) and plan.get("lengths") == \
+                _digest(lengths):
             return plan["bins"]
     bins = plan_bins(lengths, seq_len, seed)
     if cache is not None:  # every rank plans the same bins: whichever writes last writes the same file
-        tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"rows": len(lengths), "tokens": sum(lengths), "bins": bins}))
+        tmp = cache.with_name(f".{cache.name}.{uuid.uuid4().hex[:12]}.tmp")
+        tmp.write_text(json.dumps({"rows": len(lengths), "tokens": sum(lengths), "lengths": _digest(lengths),
+                                   "bins": bins}))
         tmp.replace(cache)
     return bins
 
@@ -230,19 +242,23 @@ def hint(rows: Any, batch_size: int, seed: int) -> None:
     own = getattr(rows, "row_lengths", None)
     if own is None or isinstance(rows, IterableDataset):
         return
-    lengths = list(own())
-    np.random.default_rng(seed).shuffle(lengths)
-    padding = 1.0 - padded_fill(lengths, batch_size)
+    padding = 1.0 - padded_fill(own(), batch_size, seed)
     if padding > 1 / 3:
         log.info("about %.0f %% of the positions in a batch of %d rows are padding, which the model computes on "
                  "for nothing: --packing places the rows into bins of --seq_len instead (docs/tasks.md)",
                  100 * padding, batch_size)
 
 
-def padded_fill(lengths: Sequence[int], batch: int) -> float:
-    """The share of positions that hold tokens when rows in their order are padded to the longest of each batch
-    of `batch` rows (what the padded loaders do, up to the order)."""
+def _digest(lengths: list[int]) -> str:
+    """The rows' lengths in order, hashed: a plan is reused only for rows of these very lengths."""
+    return hashlib.sha256(np.asarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+def padded_fill(lengths: Sequence[int], batch: int, seed: int) -> float:
+    """The share of positions that hold tokens when the rows, in an order drawn from `seed` (as an epoch's), are
+    padded to the longest of each batch of `batch` rows: what the padded loaders do."""
     lengths = list(lengths)
+    np.random.default_rng(seed).shuffle(lengths)
     positions = sum(max(lengths[i:i + batch]) * len(lengths[i:i + batch]) for i in range(0, len(lengths), batch))
     return sum(lengths) / positions if positions else 1.0
 

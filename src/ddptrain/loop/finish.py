@@ -119,16 +119,27 @@ class FinalWeights:
                 record = None  # an earlier version's record holds no summary: the run's end is made again
         return self.ctx.broadcast_object(record)
 
+    def unchanged(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A rerun of the run `record` (`finished`) says so and changes nothing: its summary, as the run returned
+        it (rank 0 says it)."""
+        if self.ctx.is_main:
+            stopped, summary = record.get("stopped"), record["summary"]
+            log.info("run %s at step %d (%s) in %s; nothing changed (use another --run_dir, or --no-auto_resume to "
+                     "start over)", "stopped early" if stopped else "already complete", record["step"],
+                     stopped["reason"] if stopped else f"{summary['epoch']} epochs", self.run_dir)
+        return record["summary"]
+
     def clear_markers(self) -> None:
         """The run goes on: its FINISHED and PREEMPTED markers of an earlier end are gone (rank 0)."""
         if self.ctx.is_main:
             for marker in (PREEMPTED_MARKER, FINISHED_MARKER):
                 (self.run_dir / marker).unlink(missing_ok=True)
 
-    def record_finished(self, summary: dict[str, Any], signal_name: str | None) -> None:
-        """RUN_DIR/FINISHED: the run is complete and its final files written (rank 0). A signal that came during
-        the end (`signal_name`, kept as `signalled` on every rank) is recorded as a preemption of a complete run,
-        which the launcher reports."""
+    def record_finished(self, summary: dict[str, Any], signal_name: str | None, total_steps: int,
+                        stopped: dict[str, Any] | None) -> None:
+        """RUN_DIR/FINISHED: the run is complete and its final files written (rank 0), with its summary, the steps it
+        planned and the early stop it made, if any. A signal that came during the end (`signal_name`, kept as
+        `signalled` on every rank) is recorded as a preemption of a complete run, which the launcher reports."""
         self.signalled = signal_name
         if not self.ctx.is_main:
             return
@@ -139,5 +150,6 @@ class FinalWeights:
             log.warning("%s came during the run's end, which finished: the run is complete at step %d, its final "
                         "weights written; exiting as preempted (a rerun finds it complete and changes nothing)",
                         signal_name, summary["step"])
-        write_atomic(self.run_dir / FINISHED_MARKER,
-                     json.dumps({"step": summary["step"], "time": now, "summary": summary}).encode())
+        write_atomic(self.run_dir / FINISHED_MARKER, json.dumps({"step": summary["step"], "time": now,
+                                                                 "total_steps": total_steps, "stopped": stopped,
+                                                                 "summary": summary}).encode())

@@ -33,8 +33,8 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def agreed(self, ctx: Any) -> str | None:
-        """The signal any rank received so far (its name, or "a peer's signal"), or None if none did. All ranks:
-        one gather on the control group."""
+        """The signal any rank received so far: its name ("SIGTERM" where this rank received it, "SIGUSR1 on rank 1"
+        where only a peer did), or None if none did. All ranks: one gather on the control group."""
         names = ctx.all_gather_object(self.received)
         return self.received or next((f"{name} on rank {rank}" for rank, name in enumerate(names) if name), None)
 

@@ -85,7 +85,7 @@ class Trainer:
         fill = (cfg.seed, hf.pretrained_dir(data) if hf.is_hf(cfg.model) else None)  # of a model built on meta
         self.parallel = build_parallel(module, ctx, cfg.section("parallel"), cfg.section("performance"), cfg.use_amp,
                                        fill)  # then its strategy's wrapper
-        self.watchdog.phase("startup")
+        self.watchdog.phase("setup")
         optim = self._build_optimization(parts)
         autocast = make_autocast(cfg.use_amp, cfg.amp_dtype, cfg.strategy, ctx.device)
         # One batch through collate, loss and metrics on every rank: a user's mistake is one line now, not a
@@ -195,11 +195,7 @@ class Trainer:
         with self.profiler, self._outputs_closed_at_exit():
             finished = self._resume()
             if finished is not None:  # this run's end, recorded: nothing is evaluated, saved or written again
-                log.info("run %s at step %d (%s) in %s; nothing changed (use another --run_dir, or --no-auto_resume to "
-                         "start over)", "stopped early" if loop_state.stopped else "already complete", pos.step,
-                         loop_state.stopped["reason"] if loop_state.stopped else f"{finished['summary']['epoch']} "
-                         "epochs", self.run_dir)
-                return finished["summary"]
+                return self.final.unchanged(finished)
             if loop_state.stopped is not None:
                 log.info("run stopped early at step %d (%s) in %s; nothing to train (use another --run_dir, or "
                          "--no-auto_resume to start over)", pos.step, loop_state.stopped["reason"], self.run_dir)
@@ -219,7 +215,7 @@ class Trainer:
             # Each pass of this loop is (the rest of) one epoch: the sampler resumes at the cursor. A checkpoint of
             # an epoch's last step resumes into that epoch's end (its eval, the next epoch), training on or not.
             global_batch = data.layout.global_batch_size
-            ended = lambda: pos.cursor > 0 and pos.cursor + global_batch > data.num_train  # noqa: E731
+            ended = lambda: pos.cursor + global_batch > data.num_train  # noqa: E731
             while data.stream is None and pos.epoch < cfg.epochs and (self._training() or ended()):
                 data.sampler.set_position(pos.epoch, pos.cursor)
                 with epoch_batches(data.train, background=data.background) as batches:
@@ -253,7 +249,7 @@ class Trainer:
         summary = self.train_log.summary(pos, loop_state.last_eval, time.perf_counter() - started, self.run_dir,
                                          self.final.about())
         # The last collective: whether a signal came during the end. One from here on acts at once: the run is whole.
-        self.final.record_finished(summary, self.signals.agreed(self.ctx))
+        self.final.record_finished(summary, self.signals.agreed(self.ctx), self.total_steps, loop_state.stopped)
         self.signals.release()
         self.callbacks.call("on_train_end", self.run_view, summary)
         return summary
@@ -361,7 +357,9 @@ class Trainer:
         self.watchdog.phase("load")
         finished = self.final.finished()
         loaded = self.state.resume(self.checkpoints, self.cfg.section("checkpoint"), self.ctx)
-        if loaded is not None and finished and finished["step"] == self.position.step and not self._training():
+        # The step the run finished at, the same plan (a stop decided after that step's save is in the record): done.
+        if loaded is not None and finished and finished["step"] == self.position.step and (
+                not self._training() or finished.get("total_steps") == self.total_steps):
             return finished
         self.final.clear_markers()
         if loaded is not None:

@@ -217,17 +217,19 @@ def save_pretrained_files(data: DataSettings, module: nn.Module, out_dir: Path) 
     inference: training turned the key/value cache off (`load`), the files turn it back on."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config = module.config
-    training, dtype = config.use_cache, getattr(config, "dtype", None)
-    config.use_cache = True
     # The dtype the weights beside it are written in: the model's own (--param_dtype bf16 casts it after it was
-    # built from a config that says float32).
+    # built from a config that says float32). transformers names it `dtype` since 4.56, `torch_dtype` before.
+    field = "dtype" if hasattr(config, "dtype") else "torch_dtype"
+    training, dtype = config.use_cache, getattr(config, field, None)
+    config.use_cache = True
     written = {p.dtype for p in module.parameters() if p.is_floating_point()}
     if len(written) == 1:
-        config.dtype = written.pop()
+        setattr(config, field, written.pop())
     try:
         config.save_pretrained(out_dir)
     finally:
-        config.use_cache, config.dtype = training, dtype
+        config.use_cache = training
+        setattr(config, field, dtype)
     generation = getattr(module, "generation_config", None)
     if generation is not None and module.can_generate():
         generation = copy.deepcopy(generation)

@@ -137,6 +137,9 @@ def _create_sqlite_store(uri: str) -> None:
             os.link(building, path)
         except FileExistsError:
             log.info("mlflow: the store %s was created by another process meanwhile; the run goes there", path)
+        except OSError:  # a filesystem without hard links: a rename, which could replace a store made meanwhile
+            if not path.exists():
+                os.rename(building, path)
     finally:
         building.unlink(missing_ok=True)
 

@@ -19,6 +19,7 @@ import contextlib
 import faulthandler
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -38,11 +39,11 @@ from ddptrain.parallel.procenv import PEER_LOSS_MARKERS, PeerVanished, record_fo
 log = logging.getLogger("ddptrain")
 # The order phases follow within one step: of two ranks idle in the same step, the one in the earlier phase
 # is behind (in a hang the others wait inside a collective of a later phase).
-PHASE_ORDER = ("startup", "load", "data", "forward/backward", "backward+all-reduce", "optimizer", "log", "sync",
-               "eval", "replica check", "checkpoint", "final save", "teardown")
+PHASE_ORDER = ("startup", "load", "setup", "data", "forward/backward", "backward+all-reduce", "optimizer", "log",
+               "sync", "eval", "replica check", "checkpoint", "final save", "teardown")
 # Phases entered a few times a run (not once a step): a rank publishes its beat as it enters one, so that a peer
 # that reports it stopped names the phase it stopped in, not the one an interval before.
-ANNOUNCED_PHASES = frozenset({"startup", "load", "eval", "checkpoint", "final save", "teardown"})
+ANNOUNCED_PHASES = frozenset({"startup", "load", "setup", "eval", "checkpoint", "final save", "teardown"})
 DONE = "done"  # the last beat of a rank that left its watchdog: silent from then on, and not stuck
 
 
@@ -95,10 +96,14 @@ class Watchdog:
                  checkpoint_timeout_s: float, store: dist.Store | None = None):
         self.ctx, self.log_path = ctx, log_path
         self.hang_timeout_s = hang_timeout_s
-        # Phases allowed longer than a step: start-up (rendezvous, building the data and the model, the first
-        # compile), reading weights or a checkpoint, checkpoint writes and the final weights' export.
-        self.slow_phase_limits_s = {"startup": startup_timeout_s, "load": max(startup_timeout_s, checkpoint_timeout_s),
-                                    "checkpoint": checkpoint_timeout_s, "final save": checkpoint_timeout_s}
+        # Phases allowed longer than a step: the set-up after the model is built (the first batch's check, the first
+        # compile) and checkpoint writes. Building the data and the model (tokenizing; waiting on the file lock
+        # of a rank that tokenizes), reading weights or a checkpoint and the final weights' export may each take
+        # as long as their size asks, with no collective to time: this rank's own timer leaves them alone. A
+        # peer that stops in them is still named by its silent heartbeat.
+        self.startup_timeout_s = startup_timeout_s  # how long a peer may take to publish its first beat
+        self.slow_phase_limits_s = {"startup": math.inf, "load": math.inf, "setup": startup_timeout_s,
+                                    "checkpoint": checkpoint_timeout_s, "final save": math.inf}
         self.step, self._phase, self._since = 0, "startup", time.monotonic()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -244,7 +249,7 @@ class Watchdog:
             return None, f"{silent} (served by the launcher's agent at {where})"
         for rank, seen in self._watched.items():
             if seen.beat is None:
-                if seen.read_at - self._entered > self.slow_phase_limits_s["startup"]:
+                if seen.read_at - self._entered > self.startup_timeout_s:
                     return rank, (f"{self._name(rank)} stopped responding (no heartbeat in "
                                   f"{seen.read_at - self._entered:.0f} s since this rank started)")
             elif seen.beat["phase"] != DONE and seen.read_at - seen.changed_at > self.hang_timeout_s:

@@ -44,7 +44,6 @@ pessimistic there), stragglers, data stalls, and anything but DDP's bucketed all
 from __future__ import annotations
 
 import argparse
-import random
 import re
 import statistics
 import textwrap
@@ -472,9 +471,7 @@ def render_tokens(cfg: Any) -> str | None:
     train, _ = hf.build_datasets(cfg.section("data"), Path(cfg.run_dir))
     lengths = train.row_lengths()
     bins = len(plan_bins(lengths, cfg.seq_len, cfg.seed))
-    shuffled = list(lengths)
-    random.Random(cfg.seed).shuffle(shuffled)
-    fill, tokens, batch = padded_fill(shuffled, cfg.batch_size), sum(lengths), cfg.batch_size
+    fill, tokens, batch = padded_fill(lengths, cfg.batch_size, cfg.seed), sum(lengths), cfg.batch_size
     packed_fill = tokens / (bins * cfg.seq_len)
     rows = [["padded", f"{batch} rows", f"{batch * tokens / len(lengths) / fill:.0f}", f"{batch * tokens / len(lengths):.0f}",
              f"{100 * (1 - fill):.0f} %", str(len(lengths))],
