@@ -167,7 +167,7 @@ def test_prepare_text_with_a_tokenizer_writes_token_files_a_gpt_trains_on(tokeni
     assert written[:20].tolist() == bpe.encode(text.read_text()).ids[:20]
     train(tmp_path / "run", "--task", "language_model", "--model", "gpt", "--dataset", "tokens", "--data_dir",
           str(tmp_path / "tokens"), "--vocab_size", "320", "--seq_len", "32", "--width", "32", "--num_layers", "1",
-          "--num_heads", "2", "--max_steps", "3", "--batch_size", "4", timeout=300)
+          "--num_heads", "2", "--max_steps", "3", "--batch_size", "4", "--packing", timeout=300)  # documents apart
 
 
 @pytest.mark.parametrize("case", ["field", "tokenizer", "offline-model", "no-input-ids", "no-logits"])

@@ -193,8 +193,61 @@ def test_a_model_that_cannot_keep_documents_apart_is_refused_in_one_line(tmp_pat
     with pytest.raises(UsageError, match="--packing places token rows for --task language_model, not --task "
                                          "classification"):
         resolve_config(["--packing"])
-    with pytest.raises(UsageError, match="--dataset pydoc is windows of --seq_len \\+ 1 tokens cut from one stream"):
+    with pytest.raises(UsageError, match="--dataset pydoc is one text with no document ends"):
         resolve_config(["--packing", "--task", "language_model", "--model", "gpt", "--dataset", "pydoc"])
+
+
+def test_token_windows_keep_their_documents_apart(tokenizer_dir, tmp_path):  # noqa: F811
+    """--dataset tokens with --packing: prepare-text records the end-of-text token it wrote after each file, and
+    each window becomes a packed row (in this process). The gpt's and the Llama's loss over a batch of windows is
+    the sum of each document piece's loss computed alone, over the same targets as the unpacked windows less the
+    token after each end; positions that do not restart, or no position ids, give another loss. Token files
+    without an end token are refused with --packing in one line."""
+    from ddptrain.config import TrainConfig
+    from ddptrain.data import text
+    from ddptrain.data.batch import collate
+    from ddptrain.errors import UsageError
+
+    files = []
+    for i in range(6):
+        files.append(tmp_path / f"doc{i}.txt")
+        files[-1].write_text(" ".join(words(5 + 9 * i, 40 * i)))
+    assert text.main([str(tmp_path / "tokens"), *map(str, files), "--tokenizer", str(tokenizer_dir),
+                      "--eval_fraction", "0"]) == 0
+    end = json.loads((tmp_path / "tokens" / "meta.json").read_text())["end_of_document"]
+    assert end == transformers.AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
+    data = dict(task="language_model", model="gpt", dataset="tokens", data_dir=str(tmp_path / "tokens"),
+                vocab_size=320, seq_len=SEQ_LEN)
+    windows, _ = text.build(TrainConfig(**data, packing=True).section("data"))
+    plain, _ = text.build(TrainConfig(**data).section("data"))
+    assert len(windows) == len(plain) >= 2
+    batch = collate([windows[i] for i in range(len(windows))])
+    whole = torch.stack([plain[i] for i in range(len(plain))])
+    assert torch.equal(batch["input_ids"], whole[:, :-1])
+    ends = batch["input_ids"] == end
+    assert ends.sum() >= 3 and torch.equal(batch["labels"] == IGNORE, torch.nn.functional.pad(ends, (1, 0)))
+    assert (batch["position_ids"][:, 1:][ends[:, :-1]] == 0).all() and (batch["position_ids"] == 0).sum() == \
+        len(whole) + ends[:, :-1].sum()
+
+    for name, model in models().items():
+        model.eval()
+        apart, counted = summed_loss(model, [batch])
+        assert counted == whole[:, 1:].numel() - ends.sum()
+        alone = 0.0
+        for row in range(len(whole)):
+            starts = (batch["position_ids"][row] == 0).nonzero().flatten().tolist() + [SEQ_LEN]
+            for start, stop in zip(starts, starts[1:]):
+                piece = {"input_ids": batch["input_ids"][row:row + 1, start:stop],
+                         "labels": batch["labels"][row:row + 1, start:stop + 1]}
+                alone += summed_loss(model, [piece])[0]
+        assert apart == pytest.approx(alone, rel=1e-5), name
+        for wrong in ({k: v for k, v in batch.items() if k != "position_ids"},
+                      {**batch, "position_ids": torch.arange(SEQ_LEN).expand(len(whole), -1)}):
+            assert summed_loss(model, [wrong])[0] != pytest.approx(alone, rel=1e-5), name
+
+    assert text.main([str(tmp_path / "bytes"), *map(str, files)]) == 0
+    with pytest.raises(UsageError, match="--packing: .*meta.json records no end_of_document token"):
+        text.check(TrainConfig(**{**data, "data_dir": str(tmp_path / "bytes")}, packing=True).section("data"))
 
 
 # --- training runs -----------------------------------------------------------------------------------------------

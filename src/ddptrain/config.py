@@ -69,7 +69,8 @@ class TrainConfig:
                        group="model and data")
     packing: bool = opt(False, "language_model: place variable-length rows (hf: records, a plug-in's token rows) "
                         "into bins of --seq_len tokens instead of padding each batch, every document kept apart "
-                        "(positions restart, no attention across documents): the same loss, without the padding",
+                        "(positions restart, no attention across documents): the same loss, without the padding; "
+                        "--dataset tokens: each window's documents kept apart",
                         group="model and data")
     vocab_size: int = opt(256, "gpt: vocabulary size (256 = bytes; token files say theirs)", min=2,
                           group="model and data")
@@ -376,9 +377,9 @@ class TrainConfig:
         if self.packing and self.task != "language_model":
             raise UsageError(f"--packing places token rows for --task language_model, not --task {self.task}; drop "
                              "--packing")
-        if self.packing and self.dataset in TEXT_DATASETS:
-            raise UsageError(f"--packing places rows of their own lengths; --dataset {self.dataset} is windows of "
-                             "--seq_len + 1 tokens cut from one stream, with no padding to save: drop --packing")
+        if self.packing and self.dataset == "pydoc":
+            raise UsageError("--packing keeps documents apart; --dataset pydoc is one text with no document ends and "
+                             "no padding to save: drop --packing")
         if self.load_best_at_end and not self.keep_best:
             raise UsageError("--load_best_at_end loads the checkpoint --keep_best keeps, which is off; set --keep_best "
                              "(e.g. loss)")

@@ -15,6 +15,10 @@ The bins are planned once from the rows' lengths (best-fit decreasing: the longe
 fullest bin it fits; equal lengths in an order drawn from the seed), and the packed set is an ordinary map-style
 dataset of bins: the global sample order, exact resume and a change of world size need nothing new. Each bin is
 padded to `--seq_len` (one more "document" of labels -100), so every row of every batch has the same shape.
+
+Token streams (`--dataset tokens`) have no padding to save: their windows are full. There --packing keeps each
+window's documents apart the same way (`documents_apart`), the ends of documents read from the end-of-text token
+that `ddptrain prepare-text --tokenizer` wrote after each file.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset, IterableDataset
 
 from ddptrain.errors import UsageError
@@ -146,6 +151,8 @@ class PackedRows(Dataset):
     `labels` and `position_ids`, bin i's documents back to back and padded to `seq_len` (see the module's
     docstring). `uses_global_rng` follows the rows' dataset."""
 
+    documents_apart = True  # what the loop checks the model can keep (`check_model`)
+
     def __init__(self, rows: Dataset, bins: list[list[int]], seq_len: int, pad_id: int):
         self.rows, self.bins, self.seq_len, self.pad_token_id = rows, bins, seq_len, pad_id
         self.uses_global_rng = getattr(rows, "uses_global_rng", True)
@@ -182,12 +189,27 @@ class PackedRows(Dataset):
         return {"input_ids": torch.cat(ids), "labels": torch.cat(labels), "position_ids": torch.cat(positions)}
 
 
-def packed(rows: Any, seq_len: int, seed: int, pad_token_id: int, what: str) -> PackedRows | None:
-    """The `what` ("training", "eval") set `rows` packed for --packing, or None for no set. A stream is refused:
-    packing plans bins over every row. `pad_token_id` (-1: the rows' own `pad_token_id`, else 0) fills each bin's
-    tail."""
-    if rows is None:
-        return None
+def documents_apart(window: torch.Tensor, end: int) -> dict[str, torch.Tensor]:
+    """A window of `seq_len + 1` tokens cut from a stream of documents, each ended by the token `end` (`--dataset
+    tokens`), as a packed row: `input_ids` the first `seq_len` tokens, `position_ids` restarting after every end
+    token, and `labels` the whole window (one longer than `input_ids`: label t + 1 is position t's target), -100
+    on the token after an end, which nothing of its own document precedes. The window's first document began
+    before it, as without --packing."""
+    ids = window[:-1]
+    ends = ids == end
+    place = torch.arange(len(ids))
+    starts = torch.where(F.pad(ends[:-1], (1, 0), value=True), place, 0)
+    labels = window.clone()
+    labels[1:][ends] = IGNORE
+    return {"input_ids": ids, "labels": labels, "position_ids": place - torch.cummax(starts, 0).values}
+
+
+def packed(rows: Any, seq_len: int, seed: int, pad_token_id: int, what: str) -> Dataset | None:
+    """The `what` ("training", "eval") set `rows` packed for --packing, or None for no set; windows that keep
+    their documents apart already (`documents_apart`) as they are. A stream is refused: packing plans bins over
+    every row. `pad_token_id` (-1: the rows' own `pad_token_id`, else 0) fills each bin's tail."""
+    if rows is None or getattr(rows, "documents_apart", False):
+        return rows
     if isinstance(rows, IterableDataset):
         raise UsageError(f"--packing plans its bins over every row, and the {what} set is a stream (an "
                          "IterableDataset): give a map-style dataset (with __len__), or drop --packing")

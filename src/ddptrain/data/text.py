@@ -3,13 +3,15 @@
 A token directory, as `ddptrain prepare-text` writes it::
 
     meta.json        {"format": "ddptrain-tokens/1", "dtype": "uint16", "vocab_size": 256,
-                      "tokenizer": "bytes", "train": ["train-00000.bin", ...], "eval": ["eval-00000.bin"]}
+                      "tokenizer": "bytes", "end_of_document": null (a tokenizer's: its end-of-text id),
+                      "train": ["train-00000.bin", ...], "eval": ["eval-00000.bin"]}
     train-00000.bin  flat little-endian tokens, one shard after another (as large corpora are stored)
 
 Sample i of a split is window i: `seq_len + 1` consecutive tokens of one shard (the model reads the first
 `seq_len`, and predicts each next one), windows stepping by `seq_len` and never crossing a shard. A split
 is then an ordinary map-style dataset, so the global sample cursor gives token streams the same
-guarantees as images: bit-exact resume and sample-exact world-size changes. `--dataset pydoc` serves the
+guarantees as images: bit-exact resume and sample-exact world-size changes. With --packing, a window's
+documents (each ended by the tokenizer's end-of-text token) are kept apart as a packed row's are. `--dataset pydoc` serves the
 English text that ships with CPython (`pydoc_data.topics`, ~466k bytes) the same way, bytes as tokens.
 """
 
@@ -26,6 +28,7 @@ from torch.utils.data import Dataset
 
 from ddptrain.cliargs import ArgParser
 from ddptrain.config import DataSettings
+from ddptrain.data.packing import documents_apart
 from ddptrain.errors import UsageError
 from ddptrain.models import hf
 
@@ -35,12 +38,14 @@ EVAL_FRACTION = 0.1  # of pydoc's text, and prepare-text's default
 
 
 class TokenWindows(Dataset):
-    """Windows of `seq_len + 1` tokens over one or more flat token arrays (memory-mapped files)."""
+    """Windows of `seq_len + 1` tokens over one or more flat token arrays (memory-mapped files); with `end` (the
+    token that ends each document: --packing), each window as a packed row whose documents are kept apart."""
 
     uses_global_rng = False  # a window is a slice: nothing random
 
-    def __init__(self, shards: list[np.ndarray], seq_len: int):
-        self.shards, self.seq_len = shards, seq_len
+    def __init__(self, shards: list[np.ndarray], seq_len: int, end: int | None = None):
+        self.shards, self.seq_len, self.end = shards, seq_len, end
+        self.documents_apart = end is not None
         counts = [max(0, (len(shard) - 1) // seq_len) for shard in shards]
         self.starts = np.cumsum([0] + counts).tolist()  # window index where each shard begins
 
@@ -52,8 +57,8 @@ class TokenWindows(Dataset):
             raise IndexError(index)
         shard = bisect.bisect_right(self.starts, index) - 1
         offset = (index - self.starts[shard]) * self.seq_len
-        window = self.shards[shard][offset:offset + self.seq_len + 1]
-        return torch.from_numpy(window.astype(np.int64))
+        window = torch.from_numpy(self.shards[shard][offset:offset + self.seq_len + 1].astype(np.int64))
+        return window if self.end is None else documents_apart(window, self.end)
 
 
 def pydoc_tokens() -> np.ndarray:
@@ -88,8 +93,11 @@ def read_meta(data_dir: str) -> dict:
 
 
 def check(data: DataSettings) -> None:
-    """Config against the token source: the vocabulary must hold every token id."""
+    """Config against the token source: the vocabulary must hold every token id; --packing needs the token that
+    ends each document."""
     vocab = 256 if data.dataset == "pydoc" else read_meta(data.data_dir)["vocab_size"]
+    if data.packing:
+        end_of_document(data)
     if data.model.startswith("hf:"):  # the model's own vocabulary, not the gpt-only --vocab_size
         model_vocab, _ = hf.model_limits(data)
         if model_vocab is not None and model_vocab < vocab:
@@ -102,6 +110,18 @@ def check(data: DataSettings) -> None:
                          f"{vocab} tokens; pass --vocab_size {vocab}")
 
 
+def end_of_document(data: DataSettings) -> int:
+    """The token that ends each document of `--dataset tokens` (prepare-text records its tokenizer's
+    end-of-text token); a UsageError where none is recorded."""
+    meta = read_meta(data.data_dir)
+    end = meta.get("end_of_document")
+    if not isinstance(end, int):
+        raise UsageError(f"--packing: {Path(data.data_dir) / 'meta.json'} records no end_of_document token, so the "
+                         "documents of a window cannot be told apart; write the files with `ddptrain prepare-text "
+                         "--tokenizer DIR` (a tokenizer with an end-of-text token), or drop --packing")
+    return end
+
+
 def build(data: DataSettings) -> tuple[Dataset, Dataset | None]:
     """(train, eval or None) windows for `--dataset pydoc` or `--dataset tokens`."""
     check(data)
@@ -112,8 +132,9 @@ def build(data: DataSettings) -> tuple[Dataset, Dataset | None]:
     meta = read_meta(data.data_dir)
     open_shards = lambda names: [np.memmap(Path(data.data_dir) / n, dtype=meta["dtype"], mode="r")  # noqa: E731
                                  for n in names]
-    train = TokenWindows(open_shards(meta["train"]), data.seq_len)
-    held_out = TokenWindows(open_shards(meta["eval"]), data.seq_len) if meta.get("eval") else None
+    end = end_of_document(data) if data.packing else None
+    train = TokenWindows(open_shards(meta["train"]), data.seq_len, end)
+    held_out = TokenWindows(open_shards(meta["eval"]), data.seq_len, end) if meta.get("eval") else None
     return train, held_out
 
 
@@ -140,13 +161,14 @@ def main(argv: list[str]) -> int:
     for name in args.files:
         if not Path(name).is_file():
             raise UsageError(f"{name}: no such file; pass text files to tokenize")
-    tokens, vocab, tokenizer = _tokens(args.files, args.tokenizer)
+    tokens, vocab, tokenizer, end = _tokens(args.files, args.tokenizer)
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
     tokens = tokens.astype(dtype)
     split = len(tokens) - int(len(tokens) * args.eval_fraction)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"format": FORMAT, "dtype": dtype, "vocab_size": vocab, "tokenizer": tokenizer, "train": [], "eval": []}
+    meta = {"format": FORMAT, "dtype": dtype, "vocab_size": vocab, "tokenizer": tokenizer, "end_of_document": end,
+            "train": [], "eval": []}
     for split_name, part in (("train", tokens[:split]), ("eval", tokens[split:])):
         for number, start in enumerate(range(0, len(part), args.shard_tokens)):
             name = f"{split_name}-{number:05d}.bin"
@@ -159,10 +181,12 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _tokens(files: list[str], tokenizer_dir: str) -> tuple[np.ndarray, int, str]:
-    """(every file's tokens, one after another; the vocabulary size; what made them)."""
+def _tokens(files: list[str], tokenizer_dir: str) -> tuple[np.ndarray, int, str, int | None]:
+    """(every file's tokens, one after another; the vocabulary size; what made them; the token that ends each
+    file's, or None)."""
     if not tokenizer_dir:
-        return np.concatenate([np.frombuffer(Path(n).read_bytes(), dtype=np.uint8) for n in files]), 256, "bytes"
+        tokens = np.concatenate([np.frombuffer(Path(n).read_bytes(), dtype=np.uint8) for n in files])
+        return tokens, 256, "bytes", None
     tokenizer = hf.load_tokenizer(tokenizer_dir)
     end = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     ids = []
@@ -172,4 +196,4 @@ def _tokens(files: list[str], tokenizer_dir: str) -> tuple[np.ndarray, int, str]
         except UnicodeDecodeError as exc:
             raise UsageError(f"{name}: not UTF-8 text ({exc.reason} at byte {exc.start}); pass text files") from None
         ids.append(np.asarray(tokenizer.encode([text], special=False)[0] + end, dtype=np.int64))
-    return np.concatenate(ids), tokenizer.vocab_size, str(Path(tokenizer_dir).resolve())
+    return np.concatenate(ids), tokenizer.vocab_size, str(Path(tokenizer_dir).resolve()), tokenizer.eos_id

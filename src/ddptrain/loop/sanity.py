@@ -33,7 +33,7 @@ from torch import nn
 
 from ddptrain.config import DataSettings
 from ddptrain.data.batch import to_device
-from ddptrain.data.packing import PackedRows, check_model as check_packable
+from ddptrain.data.packing import check_model as check_packable
 from ddptrain.data.pipeline import SeededSamples
 from ddptrain.errors import TrainingError, UsageError, first_line
 from ddptrain.loop.tasks import Classification, LossSum, PluginTask, Regression
@@ -55,7 +55,7 @@ def check_first_batch(trainer: Any, names: dict[str, str], autocast: Any, channe
     """
     if trainer.data.stream is not None:
         return
-    if isinstance(trainer.data.train.dataset.dataset, PackedRows):
+    if getattr(trainer.data.train.dataset.dataset, "documents_apart", False):  # packed rows, or windows alike
         check_packable(trainer.module, names["model"])  # the same on every rank: the model's own structure
     batch = _FirstBatch(trainer, names, autocast, channels_last)
     steps = [batch.read, batch.train_loss, batch.eval_metrics]

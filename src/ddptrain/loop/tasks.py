@@ -188,9 +188,10 @@ class LanguageModel:
 
     A batch is (batch, seq_len + 1) token windows — the model sees all but the last token and predicts each
     next one — or a dict with `input_ids`, optional `attention_mask` and optional `labels` aligned with
-    `input_ids` (the task shifts them, as transformers does; -100 does not count). Without `labels` the
-    target is the next token of `input_ids`, except where `attention_mask` is 0. The model returns
-    (batch, length, vocab) logits, or an object or dict with `logits`.
+    `input_ids` (the task shifts them, as transformers does; -100 does not count). Labels one longer than
+    `input_ids` are a window's (`--packing` over `--dataset tokens`): label t + 1 is position t's target, the
+    last one included. Without `labels` the target is the next token of `input_ids`, except where
+    `attention_mask` is 0. The model returns (batch, length, vocab) logits, or an object or dict with `logits`.
     """
 
     unit = "tokens"
@@ -224,7 +225,9 @@ class LanguageModel:
             if mask is not None:
                 labels = labels.masked_fill(mask == 0, IGNORE)
         # Position t predicts label t + 1: shift the labels, not the (length x vocab) logits, and let the
-        # last position predict nothing.
+        # last position predict nothing (but a window's, whose next token is its last label).
+        if labels.shape[-1] == batch["input_ids"].shape[-1] + 1:
+            return labels[:, 1:], kwargs
         return F.pad(labels[:, 1:], (0, 1), value=IGNORE), kwargs
 
     def count(self, batch: Any) -> int:
