@@ -163,10 +163,12 @@ def row(name: str, res: dict, block: int, argv: list[str]) -> Row:
 
 
 def hot_path_row(name: str, work: Path, timeout_s: float) -> Row:
-    """tests/test_hot_path.py's GPU test in a subprocess: it must run (not skip) and pass."""
+    """tests/test_hot_path.py's GPU test, and --packing's loss on CUDA's sdpa (tests/test_packing.py), in a
+    subprocess: they must run (not skip) and pass."""
     log = work / "hot_path.log"
     cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-           "tests/test_hot_path.py::test_no_cuda_sync_in_non_log_steps"]
+           "tests/test_hot_path.py::test_no_cuda_sync_in_non_log_steps",
+           "tests/test_packing.py::test_on_cuda_packed_and_padded_agree_for_each_attention_kernel[sdpa]"]
     try:
         run_logged(cmd, log, bench_env(), timeout_s)
         passed = " passed" in log.read_text() and " skipped" not in log.read_text()
@@ -174,7 +176,8 @@ def hot_path_row(name: str, work: Path, timeout_s: float) -> Row:
     except BenchError as exc:
         passed, message = False, " MISS: " + str(exc).splitlines()[0]
     return Row("hot_path", name, "PASS" if passed else "FAIL", "-", "no sync" if passed else "sync found", "no sync",
-               passed, "non-log steps under torch.cuda.set_sync_debug_mode('error') (tests/test_hot_path.py)"
+               passed, "non-log steps under torch.cuda.set_sync_debug_mode('error') (tests/test_hot_path.py); "
+               "packed = padded loss on CUDA sdpa (tests/test_packing.py)"
                + message, {"log": str(log)})
 
 

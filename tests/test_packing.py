@@ -250,6 +250,31 @@ def test_token_windows_keep_their_documents_apart(tokenizer_dir, tmp_path):  # n
         text.check(TrainConfig(**{**data, "data_dir": str(tmp_path / "bytes")}, packing=True).section("data"))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "flash_attention_2"])
+def test_on_cuda_packed_and_padded_agree_for_each_attention_kernel(tokenizer_dir, tmp_path, attention):  # noqa: F811
+    """On a GPU, the Llama with transformers' CUDA kernels: sdpa in float32 (its block-diagonal mask from the
+    position ids; 1e-5) and FlashAttention 2 in bf16 (the varlen path, from cu_seq_lens; bf16's rounding, 2e-2),
+    where the flash_attn package is installed. benchmarks/gpu.sh runs the sdpa case."""
+    if attention == "flash_attention_2":
+        pytest.importorskip("flash_attn")
+    from ddptrain.data.batch import collate, to_device
+
+    rows = records(tokenizer_dir, tmp_path, "chat")
+    packed = pack(rows, SEQ_LEN, seed=0, pad_id=2, what="test")
+    dtype = torch.float32 if attention == "sdpa" else torch.bfloat16
+    model = models()["llama"].to("cuda", dtype).eval()
+    model.config._attn_implementation = attention
+    device = torch.device("cuda")
+    padded, tokens = summed_loss(model, [to_device(collate([rows[i] for i in range(s, min(s + 4, len(rows)))], 2),
+                                                   device) for s in range(0, len(rows), 4)])
+    together, packed_tokens = summed_loss(model, [to_device(collate([packed[i] for i in range(s, min(s + 4,
+                                                                                                   len(packed)))]),
+                                                            device) for s in range(0, len(packed), 4)])
+    assert packed_tokens == tokens
+    assert together == pytest.approx(padded, rel=1e-5 if attention == "sdpa" else 2e-2)
+
+
 # --- training runs -----------------------------------------------------------------------------------------------
 # The built-in gpt on a plug-in's rows of their own lengths (masked prompts, tests/lm_plugins.py), packed.
 PACKED = ["--task", "language_model", "--model", "gpt", "--dataset", "lm_plugins:masked_lm", "--vocab_size", "64",
