@@ -5,7 +5,7 @@ The records are chats whose answer reverses the question's words (questions of p
 so that most turns are short and a few long: full size, median ~40 tokens, longest ~260), formatted with a BPE
 tokenizer's chat template (trained here on CPython's pydoc text), the loss on the assistant's turns. A
 transformers Llama (hidden 128, 2 layers) trains one epoch of them at --seq_len 256, 8 rows (padded) or 8 bins
-(packed) per rank, 2 processes under ddp. The figure is the median of the train lines' tokens_per_sec after the
+(packed) per rank, 2 processes under ddp. The figure is the median of the train lines' train_tokens_per_sec after the
 first line (which holds the start-up); a padded and a packed epoch train the same tokens, so the ratio is also
 the padded epoch's time over the packed one's. Target (issue 55): packed at least 1.5x padded.
 """
@@ -82,7 +82,7 @@ def epoch(work: Path, name: str, model_dir: Path, data: Path, tokenizer: Path, n
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in lines if r.get("split") == "train"]
     steady = train[1:] or train
-    return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steady), "steps": len(train),
+    return {"tokens_per_sec": statistics.median(r["train_tokens_per_sec"] for r in steady), "steps": len(train),
             "pad_fraction": statistics.median(r.get("pad_fraction", 0.0) for r in train),
             "token_skew": statistics.median(r["token_skew"] for r in train), "wall_s": seconds}
 

@@ -463,3 +463,44 @@ def test_more_loader_workers_than_cores_is_one_line_naming_num_workers(tmp_path)
     assert "excessive worker creation" not in console
     lines = [line for line in console.splitlines() if "--num_workers" in line]
     assert len(lines) == 1 and f"--num_workers {workers} on 2 ranks of this host" in lines[0], console
+
+
+def test_max_steps_decides_how_long_a_run_trains_however_many_epochs_it_takes(tmp_path):
+    """--max_steps 20 beside --epochs 1, at 8 steps an epoch: 20 steps into the third epoch (as transformers'
+    and TRL's max_steps), said in one line; without it, --epochs decides. In this process."""
+    import ddptrain
+    from ddptrain.config import resolve_config
+
+    job = [*TINY, "--eval_size", "0", "--save_every", "0", "--epochs", "1"]
+    summary = ddptrain.fit(config=resolve_config([*job, "--max_steps", "20", "--run_dir", str(tmp_path / "a")]))
+    assert (summary["step"], summary["epoch"]) == (20, 2)
+    assert "--max_steps 20 decides the run's length: 2.5 epochs of 8 steps (--epochs 1 does not limit it)" \
+        in (tmp_path / "a" / "logs" / "rank-0.log").read_text()
+    assert ddptrain.fit(config=resolve_config([*job, "--run_dir", str(tmp_path / "b")]))["step"] == 8
+
+
+def test_the_samples_each_epoch_leaves_out_are_said_in_one_line():
+    """64 rows at --batch_size 48: 16 left out of each epoch (25 %), said with a batch size that leaves none; a
+    global batch that divides the rows says nothing. In this process, the line on rank 0's log."""
+    import logging
+
+    from ddptrain.data.pipeline import BatchLayout
+    from ddptrain.loop.loaders import say_left_out
+
+    records, logger = [], logging.getLogger("ddptrain")
+    handler, level = logging.Handler(), logger.level
+    handler.emit = records.append
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        say_left_out(64, BatchLayout(48, 1, 1))
+        say_left_out(64, BatchLayout(6, 2, 2))
+        say_left_out(64, BatchLayout(16, 2, 2))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    said = [record.getMessage() for record in records]
+    assert said == ["16 of the 64 training samples are left out of each epoch (25 %: a global batch of 48 takes 48 "
+                    "whole ones); each epoch's shuffle leaves out others. --batch_size 32 leaves none",
+                    "16 of the 64 training samples are left out of each epoch (25 %: a global batch of 24 takes 48 "
+                    "whole ones); each epoch's shuffle leaves out others. --batch_size 4 leaves none"]

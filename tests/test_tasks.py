@@ -114,7 +114,8 @@ def test_token_files_resume_bitwise_after_a_kill(tmp_path, token_dir):
     assert_bitwise_equal(final(tmp_path / "killed"), final(tmp_path / "straight"))
     losses = lambda d: [(r["step"], r["loss"]) for r in metrics(d, "train")]  # noqa: E731
     assert losses(tmp_path / "killed") == losses(tmp_path / "straight")
-    assert "tokens_per_sec" in metrics(tmp_path / "straight", "train")[-1]
+    line = metrics(tmp_path / "straight", "train")[-1]  # windows of 32: every input token is trained
+    assert line["train_tokens_per_sec"] == pytest.approx(line["input_tokens_per_sec"]) > 0
     assert "perplexity" in metrics(tmp_path / "straight", "eval")[-1]
 
 
@@ -201,3 +202,26 @@ def test_a_bad_task_is_a_usage_error():
     assert "--task 'segmentation'" in line
     line = one_line_error(run_cli(["train", *TINY, "--task", "builtins:str"]))  # returns a str: no loss()
     assert "--task builtins:str" in line and "loss(model, batch)" in line
+
+
+def test_train_lines_count_trained_and_input_tokens_apart(tmp_path):
+    """A fine-tune's masked prompts are read, not trained: the train line's input_tokens_per_sec over its
+    train_tokens_per_sec is the input tokens (padding aside) over the labels that count, and pad_fraction the
+    share of padded positions. One line over the whole epoch of a plug-in's masked rows, in this process."""
+    import ddptrain
+    from ddptrain.config import resolve_config
+    from lm_plugins import MaskedSequences
+
+    run = tmp_path / "run"
+    ddptrain.fit(config=resolve_config([
+        "--task", "language_model", "--model", "gpt", "--dataset", "lm_plugins:masked_lm", "--vocab_size", "64",
+        "--seq_len", "24", "--width", "16", "--num_layers", "1", "--num_heads", "2", "--dataset_size", "48",
+        "--eval_size", "0", "--batch_size", "16", "--epochs", "1", "--log_interval", "3", "--num_workers", "0",
+        "--no-progress", "--save_every", "0", "--run_dir", str(run)]))
+    line = metrics(run, "train")[-1]
+    rows = MaskedSequences(48, 64, 24, 42)  # (--seed 42, the default)
+    inputs = sum(len(rows[i]["input_ids"]) for i in range(48))
+    trained = sum(int((rows[i]["labels"][1:] != -100).sum()) for i in range(48))
+    assert trained < inputs
+    assert line["input_tokens_per_sec"] / line["train_tokens_per_sec"] == pytest.approx(inputs / trained, rel=1e-9)
+    assert 0 < line["pad_fraction"] < 1

@@ -106,8 +106,9 @@ class TrainConfig:
                           "grad_accum_steps", min=1)
     grad_accum_steps: int = opt(1, "micro-batches per optimizer step (gradients reduced on the last only; see "
                                 "--fsdp_reduce_every_micro_step)", min=1)
-    epochs: int = opt(10, "passes over the training data", min=1)
-    max_steps: int = opt(0, "stop after this many optimizer steps (0 = run all epochs)", min=0)
+    epochs: int = opt(10, "passes over the training data (unless --max_steps is given)", min=1)
+    max_steps: int = opt(0, "train this many optimizer steps, however many epochs that takes (0 = --epochs "
+                         "decides)", min=0)
     optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adamw"))
     lr: float = opt(0.01, "peak learning rate", min=0.0)
     momentum: float = opt(0.9, "SGD momentum (AdamW: beta1)", min=0.0)

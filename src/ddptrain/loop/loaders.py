@@ -37,12 +37,15 @@ class Loaders:
     steps_per_epoch: int | None
     background: bool  # whether a thread takes the training batches off the training thread (_in_background)
 
-    def total_steps(self, epochs: int, max_steps: int) -> int:
-        """Optimizer steps in the run: --epochs over the training set, at most --max_steps (a stream's only
-        limit)."""
-        if self.stream is not None:
-            return max_steps
-        return min(epochs * self.steps_per_epoch, max_steps) if max_steps else epochs * self.steps_per_epoch
+    def total_steps(self, epochs: int, max_steps: int, say: bool = False) -> int:
+        """Optimizer steps in the run: --max_steps where it is given (as in transformers and TRL: as many epochs
+        as it takes), else --epochs over the training set. `say`: one line where --max_steps outlasts --epochs."""
+        if self.stream is not None or not max_steps:
+            return max_steps or epochs * self.steps_per_epoch
+        if say and max_steps > epochs * self.steps_per_epoch:
+            log.info("--max_steps %d decides the run's length: %.1f epochs of %d steps (--epochs %d does not limit "
+                     "it)", max_steps, max_steps / self.steps_per_epoch, self.steps_per_epoch, epochs)
+        return max_steps
 
     def close(self) -> None:
         """Stop the loaders' worker processes now. Safe to call twice; a later epoch would start new ones.
@@ -92,10 +95,26 @@ def build_loaders(data: DataSettings, training: TrainingSettings, ctx: Distribut
         raise UsageError(f"--batch_size {training.batch_size} x {ctx.world_size} processes x --grad_accum_steps "
                          f"{training.grad_accum_steps} = {layout.global_batch_size} exceeds the {num_train} training "
                          "samples; lower one of them")
+    if ctx.is_main:
+        say_left_out(num_train, layout)
     sampler = GlobalOrderSampler(num_train, layout, ctx.rank, seed)
     train = make_loader(train_ds, sampler, reading, device, seed=train_seed, collate_fn=collate_fn)
     return Loaders(layout, train, eval_loader, sampler, None, None, num_train, steps_per_epoch,
                    _in_background(train, device))
+
+
+def say_left_out(num_train: int, layout: BatchLayout) -> None:
+    """One line where whole global batches leave samples out of every epoch (drop_last: every step has the same
+    shape on every rank), with a per-process batch size that would leave none, where there is one."""
+    left = num_train - layout.steps_per_epoch(num_train) * layout.global_batch_size
+    if not left:
+        return
+    others = layout.world_size * layout.grad_accum_steps
+    fits = next((b for b in range(layout.micro_batch_size - 1, 0, -1) if num_train % (b * others) == 0), None)
+    log.info("%d of the %d training samples are left out of each epoch (%.0f %%: a global batch of %d takes %d "
+             "whole ones); each epoch's shuffle leaves out others. %s", left, num_train, 100 * left / num_train,
+             layout.global_batch_size, num_train - left,
+             f"--batch_size {fits} leaves none" if fits else "A global batch that divides the samples leaves none")
 
 
 def _in_background(train: DataLoader, device: Any) -> bool:

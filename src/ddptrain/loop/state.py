@@ -72,6 +72,7 @@ class MetricWindow:
         self.steps = 0  # optimizer steps in the window (a resumed window includes the previous process's)
         self.units = 0  # samples or tokens this rank trained on, as the task counts them
         self.positions = self.padding = 0  # of padded token batches (an attention_mask): positions, padded ones
+        self.inputs = 0  # token batches' input tokens: the positions the model reads that are not padding
         self.data_wait = 0.0
         self.spans: list[list[tuple[str, Any, Any]]] = []  # per step this process ran: (name, start, end)
         self.started = time.perf_counter()
@@ -84,13 +85,19 @@ class MetricWindow:
         self._losses.append((loss, units))
         return loss * 0  # inf * 0 and NaN * 0 are NaN
 
-    def count_padding(self, batch: Any) -> None:
-        """A host batch's positions and the padded ones among them, where it says which (an attention_mask of
-        0s and 1s): what --packing would not spend compute on."""
+    def count_tokens(self, batch: Any) -> None:
+        """A host batch's input tokens: an attention_mask's ones, else every position of its `input_ids` (all but
+        the last of a token window's, which only a label reads). Where an attention_mask says which positions
+        are padding, those too: what --packing would not spend compute on."""
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            tokens = int(mask.count_nonzero())
             self.positions += mask.numel()
-            self.padding += mask.numel() - int(mask.count_nonzero())
+            self.padding += mask.numel() - tokens
+            self.inputs += tokens
+        elif isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            self.inputs += ids.numel() if isinstance(batch, Mapping) else ids[:, 1:].numel()
 
     def end_step(self, step: int, norm: torch.Tensor, spans: list) -> None:
         """A step ends with its global gradient norm: NaN or inf marks a skipped (non-finite) update."""

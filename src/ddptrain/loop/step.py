@@ -123,7 +123,7 @@ class StepRunner:
             window.data_wait += time.perf_counter() - waited
             if self.sample_log is not None:
                 self.sample_log.write(step, micro, ids)
-            window.count_padding(batch)
+            window.count_tokens(batch)
             micro_batches.append(batch)
         # The step's count of units, from the host batches: its all-reduce (if counts vary) runs under the
         # first forward.

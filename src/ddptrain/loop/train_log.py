@@ -58,7 +58,7 @@ class _Pending:
     data_wait: float
     units: int
     util: list[float]
-    padding: tuple[int, int]  # of padded token batches: (positions, padded ones)
+    tokens: tuple[int, int, int]  # token batches': (padded ones' positions, padded positions, input tokens)
     breakdown: dict[str, float] = field(default_factory=lambda: {"fwd_bwd": 0.0, "optimizer": 0.0, "forward": 0.0})
     totals: WindowTotals | None = None
     mine: list[float] | None = None  # this rank's numbers for the line, once on the host (`TrainLog._read`)
@@ -129,7 +129,7 @@ class TrainLog:
                            values=values, ready=ready, log_interval=window.log_interval, spans=window.spans,
                            elapsed=time.perf_counter() - window.started, data_wait=window.data_wait,
                            units=window.units, util=self.gpu.read(),  # NVML's samples of this window
-                           padding=(window.positions, window.padding))
+                           tokens=(window.positions, window.padding, window.inputs))
         if ready is None:
             self._read(pending)
         self._pending = pending
@@ -165,7 +165,7 @@ class TrainLog:
         # Per-rank timing for straggler detection: step time, data wait and own time (data wait + forward).
         own = (p.data_wait + p.breakdown["forward"]) / steps
         p.mine = [loss_sum, count, bad_loss, p.elapsed / steps, p.data_wait / steps, own, p.units,
-                  sum(p.util) / len(p.util) if p.util else math.nan, *p.padding]
+                  sum(p.util) / len(p.util) if p.util else math.nan, *p.tokens]
 
     def finish(self) -> None:
         """Write the train line that `write` started, if any. All ranks, at the same step boundaries."""
@@ -209,9 +209,11 @@ class TrainLog:
         }
         if self.unit == "tokens":
             tokens = [r[6] for r in rows]
-            tokens_per_sec = sum(tokens) / elapsed if elapsed > 0 else 0.0
-            record["tokens_per_sec"] = tokens_per_sec
-            record["tokens_per_sec_per_rank"] = tokens_per_sec / ctx.world_size
+            # Trained tokens (the labels that count: a masked prompt's are not) and input tokens (what the model
+            # read, padding aside): per second, all ranks and per rank.
+            for kind, count in (("train", sum(tokens)), ("input", sum(r[10] for r in rows))):
+                record[f"{kind}_tokens_per_sec"] = count / elapsed if elapsed > 0 else 0.0
+                record[f"{kind}_tokens_per_sec_per_rank"] = record[f"{kind}_tokens_per_sec"] / ctx.world_size
             # Ranks that train on unequal numbers of tokens do unequal work (padded rows, bins filled unevenly):
             # the most of a rank over the mean.
             record["token_skew"] = max(tokens) * len(tokens) / sum(tokens) if sum(tokens) else 1.0

@@ -139,7 +139,7 @@ class Trainer:
         else:
             self.optimizer = build_optimizer(training, parameter_groups(training, module), lr,
                                              fused=not self.parallel.sharded)
-        self.total_steps = self.data.total_steps(cfg.epochs, cfg.max_steps)
+        self.total_steps = self.data.total_steps(cfg.epochs, cfg.max_steps, say=ctx.is_main)
         own_schedule = parts.scheduler is None  # ddptrain's: the config decides its lr on resume
         scheduler = (build_scheduler(training, self.optimizer, lr, self.total_steps)
                      if own_schedule else parts.scheduler(self.optimizer))
@@ -216,7 +216,7 @@ class Trainer:
             # an epoch's last step resumes into that epoch's end (its eval, the next epoch), training on or not.
             global_batch = data.layout.global_batch_size
             ended = lambda: pos.cursor + global_batch > data.num_train  # noqa: E731
-            while data.stream is None and pos.epoch < cfg.epochs and (self._training() or ended()):
+            while data.stream is None and (self._training() or ended()):  # to total_steps, an epoch's end
                 data.sampler.set_position(pos.epoch, pos.cursor)
                 with epoch_batches(data.train, background=data.background) as batches:
                     while not ended() and self._training():
