@@ -203,3 +203,14 @@ def test_the_config_written_beside_the_weights_names_the_dtype_they_are_in(tmp_p
     assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     assert str(model.config.dtype).endswith("float32") and model.config.use_cache == config.use_cache
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_an_empty_data_file_is_one_line_that_says_so(tmp_path, content):
+    """An empty (or blank) records file was "cannot read it as jsonl records (StopIteration: )". In this process."""
+    from ddptrain.errors import UsageError
+    from ddptrain.models import hf
+
+    (tmp_path / "rows.jsonl").write_text(content)
+    with pytest.raises(UsageError, match=r"^--dataset .*rows.jsonl: the file is empty; give it one record per line"):
+        hf._read(tmp_path / "rows.jsonl", "--dataset", tmp_path)

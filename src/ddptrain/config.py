@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ddptrain.cliargs import ArgParser
+from ddptrain.cliargs import ArgParser, Switch
 from ddptrain.errors import UsageError
 from ddptrain.faults import FaultSpec
 
@@ -299,11 +299,12 @@ class TrainConfig:
 
         Only a run that chose its own --lr or --base_batch_size gets it: the defaults (lr 0.01 for a global
         batch of 256) describe no model's tuning, so an ordinary default run would be warned about nothing
-        it decided. None as well under --scale_lr, or at the base batch.
+        it decided. Only under SGD, whose rule it is: AdamW (a fine-tune's) does not scale linearly. None as
+        well under --scale_lr, or at the base batch.
         """
         defaults = TrainConfig.__dataclass_fields__
         chosen = self.lr != defaults["lr"].default or self.base_batch_size != defaults["base_batch_size"].default
-        if self.scale_lr or global_batch_size == self.base_batch_size or not chosen:
+        if self.scale_lr or self.optimizer != "sgd" or global_batch_size == self.base_batch_size or not chosen:
             return None
         factor = global_batch_size / self.base_batch_size
         return (f"global batch {global_batch_size} differs from --base_batch_size {self.base_batch_size}, the batch "
@@ -633,10 +634,10 @@ def build_parser(prog: str = "ddptrain train") -> argparse.ArgumentParser:
     for f in fields(TrainConfig):
         meta = f.metadata
         grp = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
-        help_text = f"{meta['help']} (default: {f.default!r})"
+        help_text = f"{meta['help']} (default: {f.default!r})".replace("%", "%%")  # argparse formats it
         kind = _PY_TYPES[f.type]
         if kind is bool:
-            grp.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text)
+            grp.add_argument(f"--{f.name}", action=Switch, help=help_text)
         else:
             grp.add_argument(f"--{f.name}", type=_typed(f.name, kind), metavar=kind.__name__.upper(),
                              help=help_text)

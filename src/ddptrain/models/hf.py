@@ -401,6 +401,8 @@ def _splits(data: Any) -> tuple[Any, Any]:
         return data[train], (data[held] if held else None)
     return data, None
 
+    if path.stat().st_size < 4096 and not path.read_bytes().strip():  # (datasets says "StopIteration")
+        raise UsageError(f"{flag} {path}: the file is empty; give it one record per line (or a JSON list of them)")
 
 class TokenizedRecords(Dataset):
     """Tokenized records, memory-mapped from the cache: item i is a dict of 1-D tensors (`input_ids`, and
