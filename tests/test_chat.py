@@ -1,6 +1,7 @@
-"""Fine-tuning data as practitioners bring it: chat records formatted with the tokenizer's own chat template
-(loss on the assistant's turns), records tokenized exactly as inference tokenizes them (a Llama-style BOS), and
-the silent wrongs of the Hugging Face data path made loud. A BPE tokenizer trained here on CPython's pydoc text,
+"""Fine-tuning data as practitioners bring it: chat records formatted with a chat template as transformers
+formats them (its ids, and its assistant mask where the template marks one), the dataset shapes TRL reads found
+from the fields, records tokenized exactly as inference tokenizes them (a Llama-style BOS), and the silent wrongs
+of the Hugging Face data path made loud. A BPE tokenizer trained here on CPython's pydoc text,
 with BOS/EOS and a chat template, saved as transformers saves it."""
 
 from __future__ import annotations
@@ -63,6 +64,42 @@ def chats(tmp_path_factory) -> Path:
     return path
 
 
+# ChatML as TRL's *_training.jinja templates mark it: each reply and its <|im_end|> inside {% generation %}, the
+# newline after it outside; CHATML is the same template unmarked.
+CHATML_MARKED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+                 "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
+                 "{% else %}{{ m['content'] }}<|im_end|>{% endif %}{{ '\\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = CHATML_MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+# What Llama 3.2's, cohere2's and gpt-oss's templates use: today's date, the tools as JSON, loop controls, a
+# namespace, the reasoning read as `thinking`, the special tokens.
+FEATURES = ("{{ bos_token }}<|system|>Today is {{ strftime_now('%d %b %Y') }}.{% if tools is not none %} Tools: "
+            "{{ tools | tojson }}{% endif %}</s>{% set ns = namespace(turns=0) %}{% for m in messages %}"
+            "{% if m['role'] == 'system' %}{% continue %}{% endif %}{% set ns.turns = ns.turns + 1 %}"
+            "<|{{ m['role'] }}|>{% if m.thinking is defined %}({{ m.thinking }}){% endif %}{{ m['content'] }}"
+            "{% if m.tool_calls is defined %}{{ m.tool_calls | tojson }}{% endif %}{{ eos_token }}"
+            "{% if ns.turns > 6 %}{% break %}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+            "{% endif %}")
+FEATURES_MARKED = FEATURES.replace("{{ m['content'] }}", "{% if m['role'] == 'assistant' %}{% generation %}"
+                                   "{{ m['content'] }}{{ eos_token }}{% endgeneration %}{% else %}{{ m['content'] }}"
+                                   "{% endif %}")
+# Gemma's way with a system turn: the template's own raise_exception.
+NO_SYSTEM = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+             + CHATML)
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "the weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def tool_conversation(i: int) -> list[dict]:
+    """A question answered through a tool call, the call's result, and the answer; the reply reasons first."""
+    city = words(1, i)[0]
+    return [{"role": "user", "content": f"weather in {city}?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                "name": "weather", "arguments": {"city": city}}}]},
+            {"role": "tool", "content": "sunny", "name": "weather"},
+            {"role": "assistant", "content": f"sunny in {city}", "reasoning_content": "the tool said so"}]
+
+
 def tokenized(tokenizer_dir: Path, data: Path, *flags: str) -> list[dict]:
     """The records as ddptrain tokenizes them for training (its cache beside the data)."""
     from ddptrain.config import TrainConfig
@@ -107,13 +144,18 @@ def test_training_rows_are_tokenized_as_inference_tokenizes_a_prompt(tokenizer_d
     assert plain["input_ids"] == reference(text)["input_ids"] + [reference.eos_token_id]
 
 
-@pytest.mark.parametrize("case", ["null", "all-cut-off", "no-template", "not-messages", "task-fields"])
+@pytest.mark.parametrize("case", ["null", "all-cut-off", "no-template", "not-messages", "task-fields",
+                                  "template-refuses"])
 def test_silent_wrongs_of_the_data_are_one_line_exit_2(case, tokenizer_dir, chats, tmp_path):
     data = tmp_path / "records.jsonl"
     flags = ["--prompt_field", "q", "--response_field", "a"]
     task = ["--task", "language_model", "--model", "gpt", "--vocab_size", "320", "--seq_len", "32"]
     tokenizer = str(tokenizer_dir)
-    if case == "null":
+    if case == "template-refuses":  # Gemma's template on a conversation with a system turn: its own raise_exception
+        data.write_text(chats.read_text())
+        (tmp_path / "gemma.jinja").write_text(NO_SYSTEM)
+        flags = ["--chat_template", str(tmp_path / "gemma.jinja")]
+    elif case == "null":
         data.write_text(json.dumps({"q": "a", "a": "b"}) + "\n" + json.dumps({"q": "c", "a": None}) + "\n")
     elif case == "all-cut-off":
         data.write_text("".join(json.dumps({"q": " ".join(words(40, i)), "a": "x"}) + "\n" for i in range(4)))
@@ -135,7 +177,9 @@ def test_silent_wrongs_of_the_data_are_one_line_exit_2(case, tokenizer_dir, chat
                                    "--tokenizer", tokenizer, *flags, "--no-progress", "--num_workers", "0"]))
     expected = {"null": ["record 1", "a", str(data)], "all-cut-off": ["--seq_len 16", "cut off", "prompt is"],
                 "no-template": ["chat template", "--tokenizer"], "not-messages": ["record 0", "string content"],
-                "task-fields": ["--text_field text", "--task classification reads"]}[case]
+                "task-fields": ["--text_field text", "--task classification reads"],
+                "template-refuses": [f"--dataset {data}: record 0: the chat template refused it: System role not "
+                                     "supported"]}[case]
     assert all(part in line for part in expected), line
 
 
@@ -266,3 +310,134 @@ def test_a_chat_with_no_assistant_turn_is_named_as_such_not_as_cut_off(tokenizer
     with pytest.raises(UsageError) as refused:
         tokenized(tokenizer_dir, only_asked)
     assert "every record has no assistant turn" in str(refused.value) and "--seq_len" not in str(refused.value)
+
+
+def apply_chat_template(tokenizer_dir: Path, template: str, messages: list[dict], tools: list | None = None,
+                        **kwargs) -> dict:
+    """transformers' ids (and, for a marked template, its assistant mask) of a conversation."""
+    reference = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    return reference.apply_chat_template(messages, chat_template=template, tools=tools, return_dict=True,
+                                         return_assistant_tokens_mask="{% generation %}" in template, **kwargs)
+
+
+@pytest.mark.parametrize("template", ["CHATML_MARKED", "CHATML", "FEATURES", "FEATURES_MARKED"])
+def test_templates_give_the_ids_and_assistant_mask_of_apply_chat_template(template, tokenizer_dir):
+    """Templates with {% generation %} markers, {% break %}/{% continue %}, strftime_now, namespace, tojson tools
+    and tool calls, reasoning under another name: the ids are transformers' apply_chat_template's; a marked
+    template trains exactly the tokens of its assistant mask; an unmarked one, each reply as rendered after the
+    prompt for it."""
+    from ddptrain.models import chat, hf
+
+    text = globals()[template]
+    tokenizer = hf.load_tokenizer(str(tokenizer_dir))
+    compiled = chat.Template(text, tokenizer.special, "test")
+    assert compiled.marked == ("{% generation %}" in text)
+    for record in ({"messages": conversation(0)}, {"messages": conversation(1), "tools": TOOLS},
+                   {"messages": tool_conversation(2), "tools": json.dumps(TOOLS)}):
+        tools = record.get("tools")
+        expected = apply_chat_template(tokenizer_dir, text, record["messages"],
+                                       json.loads(tools) if isinstance(tools, str) else tools)
+        ids, labels, _ = chat.tokenize_record(record, ["messages"], compiled, tokenizer.encode_rendered, "assistant",
+                                              "record")
+        assert ids == expected["input_ids"]
+        learnt = [int(label != -100) for label in labels]
+        if compiled.marked:
+            assert learnt == expected["assistant_masks"]
+        assert [label for label in labels if label != -100] == [i for i, bit in zip(ids, learnt) if bit]
+        assert sum(learnt) > 0
+
+
+def test_what_is_learnt_is_the_marked_span_or_all_a_reply_adds(tokenizer_dir, tmp_path):
+    """Through the data path (--chat_template FILE, JSON lines whose turns differ in their fields, which the
+    reader fills with nulls): ChatML marked as TRL marks it learns each reply and its <|im_end|>, exactly
+    transformers' assistant mask; unmarked, also the newline the template writes after <|im_end|> (what the
+    rendering adds after the prompt for the reply, as TRL's prompt/completion path trains)."""
+    reference = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    data = tmp_path / "tools.jsonl"
+    records = [{"messages": tool_conversation(i), "tools": json.dumps(TOOLS)} for i in range(3)] + \
+              [{"messages": conversation(i), "tools": None} for i in range(3)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    for template in ("CHATML_MARKED", "CHATML"):
+        (tmp_path / f"{template}.jinja").write_text(globals()[template])
+        rows = tokenized(tokenizer_dir, data, "chat_template", str(tmp_path / f"{template}.jinja"))
+        for row, record in zip(rows, records):
+            tools = json.loads(record["tools"]) if record["tools"] else None
+            expected = apply_chat_template(tokenizer_dir, globals()[template], record["messages"], tools)
+            assert row["input_ids"] == expected["input_ids"]
+            learnt = [label for label in row["labels"] if label != -100]
+            end = "<|im_end|>" if template == "CHATML_MARKED" else "<|im_end|>\n"
+            assert reference.decode(learnt) == "".join(m["content"] + end for m in record["messages"]
+                                                       if m["role"] == "assistant")
+            if template == "CHATML_MARKED":
+                assert [int(label != -100) for label in row["labels"]] == expected["assistant_masks"]
+    # The tokenizer written beside the trained weights formats with the template the model trained on.
+    from ddptrain.config import TrainConfig
+    from ddptrain.models import hf
+
+    (tmp_path / "out").mkdir()
+    hf.copy_tokenizer(TrainConfig(tokenizer=str(tokenizer_dir), chat_template=str(tmp_path / "CHATML.jinja"))
+                      .section("data"), tmp_path / "out")
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == CHATML
+
+
+def test_prompt_completion_records_are_found_by_their_shape(tokenizer_dir, tmp_path):
+    """No flags: `prompt` and `completion` strings are a prompt/response pair (as --prompt_field prompt
+    --response_field completion); lists of turns are a conversation formatted with the chat template, learning
+    what the rendering adds after the prompt's generation prompt."""
+    texts = tmp_path / "pairs.jsonl"
+    texts.write_text("".join(json.dumps({"prompt": " ".join(words(5, i)), "completion": " ".join(words(3, i + 9))})
+                             + "\n" for i in range(4)))
+    assert tokenized(tokenizer_dir, texts) == tokenized(tokenizer_dir, texts, "prompt_field", "prompt",
+                                                        "response_field", "completion")
+    turns = tmp_path / "turns.jsonl"
+    chats = [conversation(i) for i in range(4)]
+    turns.write_text("".join(json.dumps({"prompt": c[:4], "completion": c[4:]}) + "\n" for c in chats))
+    reference = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    for row, messages in zip(tokenized(tokenizer_dir, turns), chats):
+        prompt = reference.apply_chat_template(messages[:4], add_generation_prompt=True, return_dict=False)
+        assert row["input_ids"] == reference.apply_chat_template(messages, return_dict=False)
+        assert row["labels"] == [-100] * len(prompt) + row["input_ids"][len(prompt):]
+        assert reference.decode(row["labels"][len(prompt):]) == messages[4]["content"] + "</s>"
+
+
+@pytest.mark.parametrize("case", ["refused", "fails", "usr", "bot", "nothing-marked", "syntax"])
+def test_a_record_the_template_or_its_roles_refuse_is_one_line_naming_it(case, tokenizer_dir, tmp_path):
+    """A template's own raise_exception, a template failing on a record, a role no template knows (a user as
+    "usr", the assistant as "bot": not a reply cut off by --seq_len), a marked template that marks nothing of
+    any record, a template jinja cannot compile: each a UsageError naming the record (or the file) and why."""
+    from ddptrain.config import TrainConfig
+    from ddptrain.errors import UsageError
+    from ddptrain.models import hf
+
+    import shutil
+
+    chats = [conversation(i) for i in range(3)]
+    if case in ("usr", "bot"):
+        index = 1 if case == "usr" else 2
+        chats[1][index] = {**chats[1][index], "role": case}
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    flags = []  # the tokenizer's own template, or --chat_template FILE
+    if case == "refused":  # a tokenizer whose own template is Gemma's way with a system turn
+        shutil.copytree(tokenizer_dir, tmp_path / "gemma")
+        (tmp_path / "gemma" / "chat_template.jinja").write_text(NO_SYSTEM)
+        tokenizer_dir = tmp_path / "gemma"
+    elif case not in ("usr", "bot"):
+        (tmp_path / "t.jinja").write_text({
+            "fails": "{{ messages[9]['content'] }}", "syntax": "{% for m in messages %}",
+            "nothing-marked": CHATML_MARKED.replace("m['role'] == 'assistant'", "m['role'] == 'nobody'")}[case])
+        flags = ["chat_template", str(tmp_path / "t.jinja")]
+    with pytest.raises(UsageError) as refused:
+        if case == "syntax":
+            hf.check_dataset(TrainConfig(task="language_model", model="gpt", dataset=f"hf:{data}",
+                                         tokenizer=str(tokenizer_dir), vocab_size=320,
+                                         chat_template=str(tmp_path / "t.jinja")).section("data"))
+        tokenized(tokenizer_dir, data, *flags)
+    line = str(refused.value)
+    expected = {"refused": [f"--dataset {data}: record 0: the chat template refused it: System role not supported"],
+                "fails": [f"--dataset {data}: record 0: --chat_template", "cannot render it", "UndefinedError"],
+                "usr": ["record 1: messages turn 1 has role 'usr'", "user, assistant"],
+                "bot": ["record 1: messages turn 2 has role 'bot'", "assistant"],
+                "nothing-marked": ["every record has no token the chat template marks", "first: record 0"],
+                "syntax": [f"--chat_template {tmp_path / 't.jinja'}: jinja cannot compile it (line 1"]}[case]
+    assert all(part in line for part in expected) and "\n" not in line and "cut off" not in line, line

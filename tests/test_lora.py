@@ -1,6 +1,9 @@
 """LoRA adapters through peft (--lora_rank): a Llama with weights on disk (built here from a config), padded LM
 batches; 2 processes must train the adapters 1 process trains, a killed run must end bitwise, checkpoints hold
-the adapters only, and RUN_DIR/adapter/ must load with peft's own PeftModel.from_pretrained."""
+the adapters only, and RUN_DIR/adapter/ must load with peft's own PeftModel.from_pretrained and
+AutoPeftModelForCausalLM. Every adapter kind and option peft offers through the flags (embeddings, DoRA,
+rsLoRA, modules_to_save, all-linear, the inits) is saved as peft's save_pretrained saves it and merged as its
+merge_and_unload merges it, into RUN_DIR/hf/ and by `export --merge`."""
 
 from __future__ import annotations
 
@@ -50,14 +53,22 @@ def whole(base, tmp_path_factory) -> Path:
     return run_dir
 
 
-def trained_model(base: Path, run_dir: Path) -> torch.nn.Module:
-    """The base with the run's adapters, as the run ended (its model.safetensors holds the adapters)."""
+def finetune(**flags: Any) -> Any:
+    """The [finetune] section of --lora_rank 4 --lora_alpha 8 and `flags`."""
+    from ddptrain.config import TrainConfig
+
+    return TrainConfig(lora_rank=4, lora_alpha=8.0, **flags).section("finetune")
+
+
+def trained_model(base: Path, run_dir: Path, **flags: Any) -> torch.nn.Module:
+    """The base with the run's adapters, as the run ended (its model.safetensors holds what trained); `flags`:
+    the run's [finetune] flags beside LORA."""
     from ddptrain.models import lora
 
-    model = transformers.LlamaForCausalLM.from_pretrained(base)
-    lora.apply(model, SimpleNamespace(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0, lora_targets=""), f"hf:{base}")
+    model = lora.apply(transformers.LlamaForCausalLM.from_pretrained(base), finetune(**flags), f"hf:{base}")
+    trained = {name for name, param in model.named_parameters() if param.requires_grad}
     missing, unexpected = model.load_state_dict(weights(run_dir / "model.safetensors"), strict=False)
-    assert not unexpected and all(".lora_" not in name for name in missing)
+    assert not unexpected and not trained & set(missing)
     return model.eval()
 
 
@@ -129,14 +140,172 @@ def test_lora_flags_without_a_rank_and_unknown_targets_are_one_line_errors(base,
     assert "--lora_targets" in line and "qkv" in line and "q_proj" in line
 
 
+# peft's adapter kinds and options, as [finetune] flags: an embedding's adapters (lora_embedding_A/B), DoRA's
+# magnitudes, a module trained in full (modules_to_save), rsLoRA's scale, all-linear, the inits.
+ADAPTER_KINDS = {
+    "embedding": {"lora_targets": "embed_tokens"},
+    "dora, rslora, modules_to_save": {"lora_targets": "q_proj,v_proj,embed_tokens", "lora_modules_to_save": "lm_head",
+                                      "lora_dora": True, "lora_rslora": True},
+    "all-linear, gaussian": {"lora_targets": "all-linear", "lora_init": "gaussian"},
+    "orthogonal": {"lora_init": "orthogonal"},
+}
+
+
+def moved(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every tensor that trains moved off its init (B and an embedding's A start at zero)."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", sorted(ADAPTER_KINDS))
+def test_every_adapter_kind_is_saved_loaded_and_merged_as_peft_does_it(kind, base, tmp_path, monkeypatch):
+    """Issue 56 items 2, 3, 10, 13. `--lora_targets embed_tokens` wrote an adapter file of 0 tensors (peft names an
+    embedding's adapters lora_embedding_A/B), `export --merge` was a KeyError, and adapter_config.json said
+    task_type null (AutoPeftModelForCausalLM: "Cannot infer the auto class"). Now, for each kind: the adapter
+    file holds the tensors and names PeftModel.save_pretrained writes for the same config, bitwise;
+    AutoPeftModelForCausalLM loads it (the base found by its absolute path: --model names it relative here) to
+    the trained model's logits; the merge equals peft's merge_and_unload (1e-6) and leaves the model as it was."""
+    from ddptrain.models import lora
+
+    monkeypatch.chdir(base.parent)
+    flags = ADAPTER_KINDS[kind]
+    model = moved(lora.apply(transformers.LlamaForCausalLM.from_pretrained(base), finetune(**flags), f"hf:{base.name}"))
+    lora.save_adapter(model, model.state_dict(), tmp_path / "ours")
+    ours = weights(tmp_path / "ours" / "adapter_model.safetensors")
+    config = lora.lora_config(finetune(**flags), f"hf:{base}", transformers.LlamaForCausalLM.from_pretrained(base))
+    theirs = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(base), config)
+    assert not peft.set_peft_model_state_dict(theirs, ours).unexpected_keys
+    theirs.save_pretrained(tmp_path / "theirs")
+    assert_bitwise_equal(ours, weights(tmp_path / "theirs" / "adapter_model.safetensors"))
+    trained = [name for name, param in model.named_parameters() if param.requires_grad]
+    assert len(trained) <= len(ours) and (kind != "embedding" or any("lora_embedding_B" in k for k in ours)), ours
+    saved_config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert saved_config["task_type"] == "CAUSAL_LM" and saved_config["base_model_name_or_path"] == str(base)
+
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert torch.equal(peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "ours").eval()(ids).logits, logits)
+        merged = lora.merged(model)
+        expected = theirs.merge_and_unload().state_dict()
+        assert merged.keys() == expected.keys()
+        assert max((merged[k] - expected[k]).abs().max().item() for k in expected) <= 1e-6
+        assert torch.equal(model(ids).logits, logits), "merging changed the adapted model"
+
+
+def test_an_adapter_that_would_lack_a_trained_tensor_is_an_error_and_no_file(base, tmp_path):
+    """A tensor that trains and that PEFT's layout has no place for, or one the state handed over lacks: the
+    adapter is not written and the run fails loudly (it ended 0 with an empty adapter file before)."""
+    from ddptrain.errors import TrainingError
+    from ddptrain.models import lora
+
+    model = lora.apply(transformers.LlamaForCausalLM.from_pretrained(base), finetune(), f"hf:{base}")
+    state = model.state_dict()
+    with pytest.raises(TrainingError, match="lora_B"):
+        lora.save_adapter(model, {k: v for k, v in state.items() if ".lora_B." not in k}, tmp_path)
+    model.model.norm.weight.requires_grad_(True)
+    with pytest.raises(TrainingError, match="model.norm.weight"):
+        lora.save_adapter(model, state, tmp_path)
+    assert not (tmp_path / "adapter_model.safetensors").exists()
+
+
+def test_all_linear_leaves_out_the_output_head_and_a_classifier_adapter_names_its_task(base):
+    """`--lora_targets all-linear` (refused before, issue 56 item 10) adapts every linear layer but the output
+    head, as peft does: a Llama's projections, not lm_head; a classifier's, not its score head (SEQ_CLS, the task
+    type its adapter_config.json names); the built-in gpt's and mlp's, not their output layer."""
+    from ddptrain.models import lora
+
+    classifier = transformers.LlamaForSequenceClassification.from_pretrained(base, num_labels=3)
+    lora.apply(classifier, finetune(lora_targets="all-linear"), f"hf:{base}")
+    assert classifier.lora_config.task_type == "SEQ_CLS"
+    assert {name.rsplit(".", 1)[-1] for name in adapted(classifier)} == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    causal = lora.apply(transformers.LlamaForCausalLM.from_pretrained(base), finetune(lora_targets="all-linear"),
+                        f"hf:{base}")
+    assert "lm_head" not in adapted(causal) and len(adapted(causal)) == 14
+    for model in BUILT_IN:
+        assert adapted(adapted_built_in(model, lora_targets="all-linear")[0]) == BUILT_IN[model][2]
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"lora_rank": 0, "lora_dora": True}, "--lora_dora configures LoRA adapters, which are off; set --lora_rank"),
+    ({"lora_init": "pissa"}, "--lora_init pissa rewrites the base weights"),
+    ({"lora_init": "eva"}, "--lora_init eva: not one of true, gaussian, orthogonal, false"),
+    ({"lora_rank": 3, "lora_init": "orthogonal"}, "--lora_init orthogonal needs an even --lora_rank"),
+    ({"lora_dora": True, "strategy": "fsdp"}, "--lora_dora works with --strategy ddp only"),
+    ({"lora_modules_to_save": "lm_head", "strategy": "fsdp"}, "--lora_modules_to_save works with --strategy ddp"),
+    ({"lora_targets": "all-linear,q_proj"}, "all-linear stands alone"),
+])
+def test_peft_options_ddptrain_cannot_honour_are_refused_naming_the_flag(flags, message):
+    from ddptrain.config import TrainConfig
+    from ddptrain.errors import UsageError
+
+    with pytest.raises(UsageError, match=message):
+        TrainConfig(**{"lora_rank": 4, **flags}).validate()
+
+
+def test_an_embedding_adapter_on_the_meta_device_and_a_layer_named_twice_are_usage_errors(base):
+    """fsdp builds the model on the meta device and replays its in-place init per shard; peft draws an embedding
+    adapter's init with torch.randn, which no replay repeats: refused there (ddp trains it). A layer both adapted
+    and trained in full is refused before peft sees it."""
+    from ddptrain.errors import UsageError
+    from ddptrain.models import lora
+
+    config = transformers.AutoConfig.from_pretrained(base)
+    with torch.device("meta"):
+        on_meta = transformers.LlamaForCausalLM(config)
+    with pytest.raises(UsageError, match="embedding model.embed_tokens works with --strategy ddp only"):
+        lora.apply(on_meta, finetune(lora_targets="q_proj,embed_tokens"), f"hf:{base}")
+    with pytest.raises(UsageError, match="both name lm_head"):
+        lora.apply(transformers.LlamaForCausalLM(config),
+                   finetune(lora_targets="lm_head", lora_modules_to_save="lm_head"), f"hf:{base}")
+
+
+def test_a_lora_run_of_peft_options_saves_what_trained_and_writes_the_merged_model_in_hf(base, tmp_path):
+    """From the command line: an embedding's adapters, DoRA, rsLoRA and lm_head trained in full (issue 56 items 2,
+    4, 13), 1 process, 2 steps. RUN_DIR/adapter loads with AutoPeftModelForCausalLM to the trained model's
+    logits; RUN_DIR/hf/ is the merged model (from_pretrained), the one `export --hf --merge` writes, bitwise."""
+    flags = {"lora_targets": "q_proj,embed_tokens", "lora_modules_to_save": "lm_head", "lora_dora": True,
+             "lora_rslora": True}
+    argv = ["--lora_targets", "q_proj,embed_tokens", "--lora_modules_to_save", "lm_head", "--lora_dora",
+            "--lora_rslora"]
+    train(tmp_path / "run", "--model", f"hf:{base}", *LM, *LORA, *argv, "--batch_size", "8", "--max_steps", "2")
+    adapter = weights(tmp_path / "run" / "adapter" / "adapter_model.safetensors")
+    for key in ("model.embed_tokens.lora_embedding_B", "lm_head.weight",
+                "model.layers.0.self_attn.q_proj.lora_magnitude_vector"):
+        assert lora_key(key) in adapter, sorted(adapter)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = trained_model(base, tmp_path / "run", **flags)(ids).logits
+        loaded = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "run" / "adapter").eval()
+        assert torch.equal(loaded(ids).logits, expected)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf").eval()
+        assert torch.allclose(merged(ids).logits, expected, rtol=1e-4, atol=1e-5)
+    done = run_cli(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "merged"), "--merge"])
+    assert done.returncode == 0, done.stderr
+    assert_bitwise_equal(weights(tmp_path / "run" / "hf" / "model.safetensors"),
+                         weights(tmp_path / "merged" / "model.safetensors"))
+
+
+def lora_key(name: str) -> str:
+    return "base_model.model." + name
+
+
 def test_export_merge_writes_the_base_with_the_adapters_merged_for_from_pretrained(base, whole, tmp_path):
     """`ddptrain export --hf OUT --merge`: a save_pretrained directory whose plain Llama gives the trained model's
-    logits (up to the merge's rounding); without --merge, --hf is one line naming it."""
+    logits (up to the merge's rounding); without --merge, --hf is one line naming it. The run's own RUN_DIR/hf/
+    is that merged model (issue 56 item 4: it held a config.json alone, which from_pretrained refused)."""
     checkpoint = last_committed(whole)
     line = one_line_error(run_cli(["export", str(checkpoint), "--hf", str(tmp_path / "nomerge")]))
     assert "--merge" in line
     done = run_cli(["export", str(checkpoint), "--hf", str(tmp_path / "merged"), "--merge"])
     assert done.returncode == 0, done.stderr
+    assert_bitwise_equal(weights(whole / "hf" / "model.safetensors"),
+                         weights(tmp_path / "merged" / "model.safetensors"))
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
@@ -155,8 +324,10 @@ def test_lora_under_fsdp_trains_what_one_process_trains_and_resumes_on_another_w
     train(tmp_path / "two", *job, "--batch_size", "8", "--grad_accum_steps", "2", "--strategy", "fsdp", nproc=2,
           timeout=300)
     # The base read into each rank's shards, the adapters' init replayed: no rank built the whole model.
-    assert "fsdp: built on the meta device, each rank's shards filled from" in (
-        tmp_path / "two" / "logs" / "rank-0.log").read_text()
+    log = (tmp_path / "two" / "logs" / "rank-0.log").read_text()
+    assert "fsdp: built on the meta device, each rank's shards filled from" in log
+    # No rank holds the whole base to merge into: no hf/ (a config.json alone before), and the log says why.
+    assert not (tmp_path / "two" / "hf").exists() and "hf/ not written" in log and "--merge" in log
     assert_close_weights(weights(whole / "model.safetensors"), weights(tmp_path / "two" / "model.safetensors"),
                          rel=1e-5)
     step_2 = tmp_path / "two" / "checkpoints" / "step-2"

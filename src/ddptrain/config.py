@@ -49,16 +49,21 @@ class TrainConfig:
     text_field: str = opt("text", "hf datasets: the field holding the text (language_model without "
                           "--prompt_field; classification)", group="model and data")
     prompt_field: str = opt("", "hf datasets, language_model: the field of the prompt, which is masked from the "
-                            "loss (labels -100); with --response_field", group="model and data")
+                            "loss (labels -100); with --response_field (unset: the records' prompt and completion "
+                            "fields, where they have both and no --text_field)", group="model and data")
     response_field: str = opt("", "hf datasets, language_model: the field of the response the model learns",
                               group="model and data")
     label_field: str = opt("label", "hf datasets, classification: the field of the class index",
                            group="model and data")
     messages_field: str = opt("messages", "hf datasets, language_model: the field of chat records (a list of "
                               "{role, content}), formatted with the tokenizer's chat template; read when the "
-                              "records have it and no --text_field", group="model and data")
+                              "records have it and neither --text_field nor prompt and completion",
+                              group="model and data")
     train_on: str = opt("assistant", "chat records: the tokens the loss is on (assistant: the assistant's turns "
                         "only; all: every token)", choices=("assistant", "all"), group="model and data")
+    chat_template: str = opt("", "chat records: a jinja chat template file to format them with instead of "
+                             "--tokenizer's own (e.g. one whose {% generation %} marks say what is learnt)",
+                             group="model and data")
     eval_data: str = opt("", "hf datasets: a held-out file or directory in the same format (default: the "
                          "dataset's own validation or test split, if it has one)", group="model and data")
     pad_token_id: int = opt(-1, "the token id padding gets in variable-length batches (-1: the tokenizer's pad "
@@ -98,8 +103,20 @@ class TrainConfig:
     lora_alpha: float = opt(16.0, "LoRA: the update is scaled by lora_alpha / lora_rank", min=0.0,
                             group="fine-tuning")
     lora_dropout: float = opt(0.0, "LoRA: dropout on the adapters' input", min=0.0, group="fine-tuning")
-    lora_targets: str = opt("", "LoRA: comma-separated names of the linear layers to adapt (e.g. q_proj,v_proj; "
-                            "empty = every linear layer inside the model's blocks)", group="fine-tuning")
+    lora_targets: str = opt("", "LoRA: comma-separated names of the layers to adapt (linear layers, e.g. "
+                            "q_proj,v_proj; embeddings, e.g. embed_tokens), or all-linear (peft's: every linear layer "
+                            "but the output head); empty = every linear layer inside the model's blocks",
+                            group="fine-tuning")
+    lora_modules_to_save: str = opt("", "LoRA: comma-separated names of modules trained in full beside the adapters "
+                                    "and saved with them (peft's modules_to_save; e.g. embed_tokens,lm_head after "
+                                    "adding chat tokens); --strategy ddp", group="fine-tuning")
+    lora_rslora: bool = opt(False, "LoRA: rsLoRA, the update scaled by lora_alpha / sqrt(lora_rank) (peft's "
+                            "use_rslora)", group="fine-tuning")
+    lora_dora: bool = opt(False, "LoRA: DoRA, a trained magnitude per output beside the low-rank direction (peft's "
+                          "use_dora); --strategy ddp", group="fine-tuning")
+    lora_init: str = opt("true", "LoRA: the adapters' init (peft's init_lora_weights): true (B zero: the model "
+                         "starts as the base), gaussian (A normal), orthogonal (--strategy ddp, even rank), false "
+                         "(B random too: the adapters change the model from the start)", group="fine-tuning")
 
     # --- batch and schedule ---------------------------------------------------------------------
     batch_size: int = opt(64, "micro-batch size per process; global batch = batch_size * world size * "
@@ -371,9 +388,7 @@ class TrainConfig:
             parse_duration(self.max_time, "--max_time")
         if self.lora_dropout >= 1.0:
             raise UsageError(f"--lora_dropout {self.lora_dropout}: must be below 1 (0 = no dropout)")
-        if (self.lora_targets or self.lora_dropout) and not self.lora_rank:
-            raise UsageError("--lora_targets/--lora_dropout configure LoRA adapters, which are off; set --lora_rank "
-                             "(e.g. 8)")
+        self._validate_lora()
         if self.ema_decay >= 1.0:
             raise UsageError(f"--ema_decay {self.ema_decay}: must be below 1 (0.999 averages over ~1000 steps; 0 is off)")
         if self.packing and self.task != "language_model":
@@ -399,6 +414,37 @@ class TrainConfig:
                 raise UsageError(f"--{flag} {name!r}: not a built-in ({', '.join(builtins)}) nor a 'pkg.mod:fn' "
                                  "plug-in")
 
+    def _validate_lora(self) -> None:
+        """The [finetune] section's LoRA options (what peft offers that ddptrain can save, merge and shard)."""
+        given = [flag for flag, on in (("--lora_targets", self.lora_targets), ("--lora_dropout", self.lora_dropout),
+                                       ("--lora_modules_to_save", self.lora_modules_to_save),
+                                       ("--lora_rslora", self.lora_rslora), ("--lora_dora", self.lora_dora),
+                                       ("--lora_init", self.lora_init != "true")) if on]
+        if given and not self.lora_rank:
+            raise UsageError(f"{'/'.join(given)} configure{'s' if len(given) == 1 else ''} LoRA adapters, which are "
+                             "off; set --lora_rank (e.g. 8)")
+        targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+        if "all-linear" in targets and len(targets) > 1:
+            raise UsageError(f"--lora_targets {self.lora_targets}: all-linear stands alone (it names every linear "
+                             "layer but the output head); pass it alone or list the layers")
+        if self.lora_init.startswith(("pissa", "olora")):
+            raise UsageError(f"--lora_init {self.lora_init} rewrites the base weights, which ddptrain reads again "
+                             "from --model (to resume, merge, and for PEFT's load of RUN_DIR/adapter onto the base); "
+                             f"use one of {', '.join(LORA_INITS)}")
+        if self.lora_init not in LORA_INITS:
+            raise UsageError(f"--lora_init {self.lora_init}: not one of {', '.join(LORA_INITS)} (peft's eva, corda, "
+                             "lora_ga, loftq and mica inits need data or quantization passes ddptrain does not run)")
+        if self.lora_init == "orthogonal" and self.lora_rank % 2:
+            raise UsageError(f"--lora_init orthogonal needs an even --lora_rank (not {self.lora_rank})")
+        if self.strategy != "ddp":
+            # Each rank fills its own shards of a base built on the meta device; these compute their tensors
+            # from the base's whole weights (DoRA's magnitude, a module's copy) or outside the recorded init.
+            for flag, on in (("--lora_dora", self.lora_dora), ("--lora_modules_to_save", self.lora_modules_to_save),
+                             ("--lora_init orthogonal", self.lora_init == "orthogonal")):
+                if on:
+                    raise UsageError(f"{flag} works with --strategy ddp only (under {self.strategy} no rank holds the "
+                                     "base's whole weights it is computed from); pass --strategy ddp")
+
 
 def refuse_ignored(cfg: TrainConfig, given: set[str]) -> None:
     """A flag set on the command line (or as a `fit` argument: `given`) that this config would ignore, where its
@@ -413,6 +459,8 @@ def refuse_ignored(cfg: TrainConfig, given: set[str]) -> None:
 
 
 BUILTIN_MODELS = ("mini_resnet", "mlp", "gpt")
+# --lora_init: peft's init_lora_weights that leave the base as it is and draw from the seeded RNG.
+LORA_INITS = ("true", "gaussian", "orthogonal", "false")
 # torch's SyncBatchNorm syncs on CUDA, XPU, HPU and PrivateUse1 devices; of these, ddptrain trains on CUDA (nccl).
 # Anywhere else its forward would raise at the first step.
 SYNC_BATCHNORM_ON_CPU = ("--sync_batchnorm needs a device torch's SyncBatchNorm supports (CUDA, XPU, HPU or a "
@@ -439,13 +487,15 @@ def plugin_refs(cfg: TrainConfig) -> list[tuple[str, str]]:
 TRAINING_SETTINGS = (
     "task", "model", "dataset", "data_dir", "tokenizer", "text_field", "prompt_field", "response_field",
     "label_field", "messages_field", "train_on", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+    "lora_modules_to_save", "lora_rslora", "lora_dora", "lora_init",
     "pad_token_id", "seq_len", "vocab_size", "num_layers", "num_heads", "num_classes", "in_channels",
     "image_size", "dataset_size", "width", "norm", "sync_batchnorm", "optimizer", "lr", "momentum", "weight_decay",
     "decay_all", "lr_schedule", "warmup_steps", "min_lr", "scale_lr", "base_batch_size", "grad_clip", "use_amp",
-    "amp_dtype", "param_dtype", "reduce_dtype", "seed", "packing")
+    "amp_dtype", "param_dtype", "reduce_dtype", "seed", "packing", "chat_template")
 # Settings added after runs named their dir by the digest: counted only away from their default, so that a job
 # run again on a newer version finds its run dir (and its checkpoints) where it left them.
-_DIGEST_SINCE = {"packing": False}
+_DIGEST_SINCE = {"packing": False, "chat_template": "", "lora_modules_to_save": "", "lora_rslora": False,
+                 "lora_dora": False, "lora_init": "true"}
 
 
 def setting_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

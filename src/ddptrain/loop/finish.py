@@ -1,6 +1,6 @@
 """The end of a run: which weights are final (--load_best_at_end), the files that hold them
-(RUN_DIR/model.safetensors, hf/ or LoRA's adapter, the --ema_decay average), and the record that the run is
-complete (RUN_DIR/FINISHED), which a rerun reads to change nothing."""
+(RUN_DIR/model.safetensors, hf/, LoRA's adapter and, under ddp, its merge into the base in hf/, the --ema_decay
+average), and the record that the run is complete (RUN_DIR/FINISHED), which a rerun reads to change nothing."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ class FinalWeights:
         self.step = 0  # the step of the weights the final files hold
         self.best: dict[str, Any] | None = None  # --load_best_at_end: the best step's metric, where it loaded one
         self.signalled: str | None = None  # a signal that came during the run's end, which went on to finish
-        if hf.is_transformers(model.module) and ctx.is_main:  # now: a run that fails later leaves it too
+        # Now: a run that fails later leaves it too. (LoRA: hf/ is the merged model, whole at the end or not at all.)
+        if hf.is_transformers(model.module) and not model.frozen and ctx.is_main:
             model.module.config.save_pretrained(run_dir / hf.HF_DIR)  # what `ddptrain export --hf` rebuilds it from
 
     def write(self, last_step: int, load_best: bool) -> None:
@@ -71,7 +72,8 @@ class FinalWeights:
 
     def export(self) -> None:
         """RUN_DIR/model.safetensors, for a transformers model RUN_DIR/hf/ (save_pretrained), with --ema_decay
-        RUN_DIR/model_ema.safetensors."""
+        RUN_DIR/model_ema.safetensors. Under LoRA: model.safetensors holds what trained, RUN_DIR/adapter/ is
+        PEFT's layout, and hf/ the base with the adapters merged (ddp: rank 0 holds the whole base)."""
         parallel, module, frozen = self.model.parallel, self.model.module, self.model.frozen
         step = {"step": str(self.step)}
         ema_meta = {**step, "ema_decay": repr(self.ema.decay if self.ema is not None else 0.0)}
@@ -85,13 +87,19 @@ class FinalWeights:
                 with self.ema.swapped_in(module):
                     parallel.export(self.run_dir / "model_ema.safetensors", ema_meta)
             return
-        state = parallel.state_dict(frozen)  # sharded: gathered onto rank 0 (LoRA: the adapters only)
+        # Sharded: gathered onto rank 0. LoRA: what trained, and the frozen tensors PEFT's layout holds too (an
+        # adapted embedding's base weights).
+        saved = lora.saved_names(module) if frozen else {}
+        state = parallel.state_dict([name for name in frozen if name not in saved])
         if self.ctx.is_main:
-            # Under LoRA: the adapters (the rest is the source's).
-            write_atomic(self.run_dir / "model.safetensors", safetensors_bytes(state, metadata=step))
+            left_out = set(frozen)
+            trained = {name: value for name, value in state.items() if name not in left_out}
+            write_atomic(self.run_dir / "model.safetensors", safetensors_bytes(trained, metadata=step))
             if frozen:
                 lora.save_adapter(module, state, self.run_dir / lora.ADAPTER_DIR)
                 hf.copy_tokenizer(self.data, self.run_dir / lora.ADAPTER_DIR)  # base + adapter + tokenizer: all it takes
+                if hf.is_transformers(module):
+                    self.write_merged(module, parallel.sharded)
             elif hf.is_transformers(module):
                 hf.save_pretrained(self.data, state, self.run_dir / hf.HF_DIR, module)
         if self.ema is not None:
@@ -99,6 +107,18 @@ class FinalWeights:
                 averaged = {k: v.clone() for k, v in parallel.state_dict(frozen).items()}  # copy before the swap back
             if self.ctx.is_main:
                 write_atomic(self.run_dir / "model_ema.safetensors", safetensors_bytes(averaged, metadata=ema_meta))
+
+    def write_merged(self, module: Any, sharded: bool) -> None:
+        """RUN_DIR/hf/ of a LoRA run: the base with the adapters merged (peft's merge), in the save_pretrained
+        layout. Under fsdp/hsdp no rank holds the base whole, and merging would gather it: hf/ is not written,
+        and the log says where the trained model is. Rank 0."""
+        if sharded:
+            log.info("%s/ not written: merging the adapters needs the whole base, which no rank of a sharded run "
+                     "holds; the trained model is --model + %s (PeftModel.from_pretrained), or merge it in one "
+                     "process with `ddptrain export %s --hf OUT_DIR --merge`", hf.HF_DIR,
+                     self.run_dir / lora.ADAPTER_DIR, self.run_dir)
+            return
+        hf.save_pretrained(self.data, lora.merged(module), self.run_dir / hf.HF_DIR, module)
 
     def about(self) -> dict[str, Any]:
         """What the final files hold, for the run's summary: their step, and the best step's metric where

@@ -9,9 +9,11 @@
   `ddptrain export CHECKPOINT --hf OUT_DIR` does the same for any checkpoint.
 - `--dataset hf:PATH --tokenizer DIR`: records of a JSON lines or Parquet file or a `datasets.save_to_disk`
   directory, tokenized once into variable-length items (cached beside the data, keyed by the data, the
-  tokenizer and the flags) that the default collate pads. Fields are flags: `--text_field`, or
-  `--prompt_field` + `--response_field` (the prompt masked from the loss) for language models,
-  `--label_field` for classification.
+  tokenizer and the flags) that the default collate pads. For language models the records' shape decides, as
+  in TRL: `--prompt_field` + `--response_field` when given, else `--text_field` (default `text`) where the
+  records have it, else `prompt` + `completion`, else chat records in `--messages_field` (chat.py: a prompt
+  and completion that are lists of turns are a conversation too); the prompt is masked from the loss.
+  `--text_field` + `--label_field` for classification.
 - `ddptrain prepare-text --tokenizer DIR`: token files for `--dataset tokens` (text.py).
 
 transformers, tokenizers and datasets are the optional extra `pip install 'ddptrain[hf]'`, imported only
@@ -40,7 +42,8 @@ from ddptrain.models import chat
 
 PREFIX = "hf:"
 HF_DIR = "hf"  # RUN_DIR/hf: the trained model in the save_pretrained layout
-CACHE_FORMAT = "ddptrain-hf-tokenized/2"  # 2: the tokenizer's own special tokens, chat records
+CACHE_FORMAT = "ddptrain-hf-tokenized/3"  # 2: the tokenizer's own special tokens, chat records; 3: as transformers
+# renders a template ({% generation %} marks, tools, null fields dropped), prompt/completion by shape
 
 
 def is_hf(ref: str) -> bool:
@@ -204,11 +207,15 @@ def save_pretrained(data: DataSettings, state: dict[str, torch.Tensor], out_dir:
 
 
 def copy_tokenizer(data: DataSettings, out_dir: Path) -> None:
-    """The tokenizer's files beside the weights, if --tokenizer named one."""
+    """The tokenizer's files beside the weights, if --tokenizer named one; with --chat_template, that template as
+    the tokenizer's (chat_template.jinja, which transformers reads before tokenizer_config.json's): what the
+    model was trained on is what `apply_chat_template` then formats with."""
     if data.tokenizer:
         for name in TOKENIZER_FILES:
             if (Path(data.tokenizer) / name).is_file():
                 shutil.copyfile(Path(data.tokenizer) / name, out_dir / name)
+        if data.chat_template:
+            shutil.copyfile(data.chat_template, out_dir / chat.TEMPLATE_FILE)
 
 
 def save_pretrained_files(data: DataSettings, module: nn.Module, out_dir: Path) -> None:
@@ -256,6 +263,8 @@ def _skeleton(data: DataSettings, run_config: Path | None) -> nn.Module:
 # --- tokenizers -----------------------------------------------------------------------------------
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", chat.TEMPLATE_FILE)
+# The named special tokens (transformers' special_tokens_map): what a chat template is given.
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class TextTokenizer:
@@ -270,12 +279,12 @@ class TextTokenizer:
             if (directory / name).is_file():
                 special.update({k: v.get("content") if isinstance(v, dict) else v  # {"content": "<pad>", ...}
                                 for k, v in json.loads((directory / name).read_text()).items()
-                                if k in ("bos_token", "eos_token", "pad_token", "unk_token") and v})
+                                if k in SPECIAL_TOKENS and v})
         self.special = {k: v for k, v in special.items() if isinstance(v, str)}  # what a chat template may name
         self.pad_id = self._id(special.get("pad_token"))
         self.eos_id = self._id(special.get("eos_token"))
         self.vocab_size = self.tokenizer.get_vocab_size()
-        self.chat_template = chat.read_template(directory)
+        self.template_text = chat.read_template(directory)
 
     def _id(self, token: Any) -> int | None:
         return self.tokenizer.token_to_id(token) if isinstance(token, str) else None
@@ -284,6 +293,21 @@ class TextTokenizer:
         """Token ids of each text; `special`: with the special tokens the tokenizer adds to a text of its own (a
         Llama tokenizer's BOS), as `AutoTokenizer(text)` gives them at inference."""
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=special)]
+
+    def encode_rendered(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """A chat template's rendering as token ids and each id's character span: no special tokens added (the
+        template writes its own), as transformers' apply_chat_template encodes it."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def chat_template(self, data: DataSettings) -> chat.Template | None:
+        """`--chat_template FILE`, else this tokenizer's own chat template, compiled; None if neither."""
+        if data.chat_template:
+            return chat.Template(chat.read_template_file(data.chat_template), self.special,
+                                 f"--chat_template {data.chat_template}")
+        if self.template_text is None:
+            return None
+        return chat.Template(self.template_text, self.special, f"--tokenizer {self.directory}'s chat template")
 
     def digest(self) -> str:
         return tokenizer_digest(self.directory)
@@ -344,6 +368,9 @@ def check_dataset(data: DataSettings) -> None:
         raise UsageError("--prompt_field and --response_field go together (the prompt is masked, the response "
                          "learnt); pass both, or neither for --text_field")
     tokenizer = load_tokenizer(data.tokenizer)
+    if data.chat_template:
+        require("jinja2", "--chat_template")
+        tokenizer.chat_template(data)  # read and compiled now: a mistake in the file is exit 2 before any process
     if data.model in ("gpt",) and data.vocab_size < tokenizer.vocab_size:
         raise UsageError(f"--vocab_size {data.vocab_size} is smaller than --tokenizer {data.tokenizer}'s vocabulary "
                          f"of {tokenizer.vocab_size}; pass --vocab_size {tokenizer.vocab_size}")
@@ -351,14 +378,18 @@ def check_dataset(data: DataSettings) -> None:
 
 
 def _fields(data: DataSettings, columns: list[str] | None = None) -> list[str]:
-    """The record fields the flags read; chat records' when `columns` (the data's) hold --messages_field and not
-    --text_field."""
+    """The record fields the flags read; with `columns` (the data's), found by the records' shape as TRL finds
+    them: where the records lack --text_field, `prompt` + `completion` if they have both, else --messages_field
+    if they have it."""
     if data.task == "classification":
         return [data.text_field, data.label_field]
     if data.prompt_field:
         return [data.prompt_field, data.response_field]
-    if columns is not None and data.messages_field in columns and data.text_field not in columns:
-        return [data.messages_field]
+    if columns is not None and data.text_field not in columns:
+        if "prompt" in columns and "completion" in columns:
+            return ["prompt", "completion"]
+        if data.messages_field in columns:
+            return [data.messages_field]
     return [data.text_field]
 
 
@@ -374,6 +405,8 @@ def _read(path: Path, flag: str, cache: Path) -> Any:
         return data
     if path.suffix == ".jsonl":
         _say_blank_lines(path, flag)
+    if path.stat().st_size < 4096 and not path.read_bytes().strip():  # (datasets says "StopIteration")
+        raise UsageError(f"{flag} {path}: the file is empty; give it one record per line (or a JSON list of them)")
     reader = datasets.Dataset.from_parquet if path.suffix == ".parquet" else datasets.Dataset.from_json
     try:
         return reader(str(path), cache_dir=str(cache / "raw"))
@@ -401,8 +434,6 @@ def _splits(data: Any) -> tuple[Any, Any]:
         return data[train], (data[held] if held else None)
     return data, None
 
-    if path.stat().st_size < 4096 and not path.read_bytes().strip():  # (datasets says "StopIteration")
-        raise UsageError(f"{flag} {path}: the file is empty; give it one record per line (or a JSON list of them)")
 
 class TokenizedRecords(Dataset):
     """Tokenized records, memory-mapped from the cache: item i is a dict of 1-D tensors (`input_ids`, and
@@ -434,26 +465,31 @@ class TokenizedRecords(Dataset):
 
 
 def _tokenize(records: Any, data: DataSettings, tokenizer: TextTokenizer, flag: str, path: Path) -> Any:
-    """The records as token ids (and labels): tokenized as inference tokenizes a prompt (the tokenizer's own
-    special tokens, a Llama's BOS), ended by its end-of-text token, cut to --seq_len."""
+    """The records as token ids (and labels): a text or a string prompt and response tokenized as inference
+    tokenizes a prompt (the tokenizer's own special tokens, a Llama's BOS) and ended by its end-of-text token; a
+    conversation (chat records, or a prompt and completion that are lists of turns) formatted with the chat
+    template (chat.py); cut to --seq_len."""
     fields = _fields(data, records.column_names)
     missing = [f for f in fields if f not in records.column_names]
     if missing:
         flags = {data.text_field: "--text_field", data.label_field: "--label_field", data.prompt_field: "--prompt_field",
                  data.response_field: "--response_field"}
         reads = ("--task classification reads --text_field and --label_field" if data.task == "classification" else
-                 "--task language_model reads --text_field, --prompt_field with --response_field, or chat records "
-                 f"in --messages_field ({data.messages_field})")
+                 "--task language_model reads --text_field, --prompt_field with --response_field, prompt with "
+                 f"completion, or chat records in --messages_field ({data.messages_field})")
         raise UsageError(f"{flags[missing[0]]} {missing[0]}: {flag} {path} has no such field (it has "
                          f"{', '.join(records.column_names)}; {reads})")
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     limit = data.seq_len
-    render = None
-    if fields == [data.messages_field]:
-        if tokenizer.chat_template is None:
-            raise UsageError(f"{flag} {path}: chat records ({data.messages_field}) need a chat template, and --tokenizer "
-                             f"{data.tokenizer} has none (tokenizer_config.json's chat_template)")
-        render = chat.compile_template(tokenizer.chat_template, tokenizer.special)
+    template = None
+    if data.task == "language_model" and fields != [data.text_field] and len(records) \
+            and (fields == [data.messages_field] or isinstance(records[0][fields[0]], list)):
+        template = tokenizer.chat_template(data)
+        if template is None:
+            raise UsageError(f"{flag} {path}: chat records ({', '.join(fields)}) need a chat template, and --tokenizer "
+                             f"{data.tokenizer} has none (tokenizer_config.json's chat_template); pass one with "
+                             "--chat_template FILE")
+    prompt_field, response_field = fields if len(fields) == 2 else (None, None)
 
     def texts(batch: dict[str, list], field: str, first: int) -> list[str]:
         """The field's values, each a string: a null is the file's mistake, not the text "None"."""
@@ -468,23 +504,20 @@ def _tokenize(records: Any, data: DataSettings, tokenizer: TextTokenizer, flag: 
         if data.task == "classification":
             ids = [seq[:limit] for seq in tokenizer.encode(texts(batch, data.text_field, first))]
             return {"input_ids": ids, "labels": [int(label) for label in batch[data.label_field]]}
-        if render is not None:
-            out: dict[str, list] = {"input_ids": [], "labels": [], "prompt_tokens": []}
-            for i, messages in enumerate(batch[data.messages_field]):
-                where = f"{flag} {path}: record {first + i}"
-                ids, labels = chat.tokenize_chat(chat.check_messages(messages, where), render,
-                                                 lambda text: tokenizer.encode([text], special=False)[0],
-                                                 data.train_on, where)
+        out: dict[str, list] = {"input_ids": [], "labels": [], "prompt_tokens": []}
+        if template is not None:
+            for i in range(len(indices)):
+                record = {name: values[i] for name, values in batch.items()}
+                ids, labels, learnt_from = chat.tokenize_record(record, fields, template, tokenizer.encode_rendered,
+                                                                data.train_on, f"{flag} {path}: record {first + i}")
                 out["input_ids"].append(ids[:limit])
                 out["labels"].append(labels[:limit])
-                # -1: nothing to learn however long the row may be (no assistant turn), not a response cut off
-                out["prompt_tokens"].append(next((j for j, label in enumerate(labels) if label != -100), -1))
+                out["prompt_tokens"].append(learnt_from)
             return out
-        if not data.prompt_field:
+        if prompt_field is None:
             return {"input_ids": [(seq + eos)[:limit] for seq in tokenizer.encode(texts(batch, data.text_field, first))]}
-        prompts = tokenizer.encode(texts(batch, data.prompt_field, first))
-        responses = tokenizer.encode(texts(batch, data.response_field, first), special=False)
-        out = {"input_ids": [], "labels": [], "prompt_tokens": []}
+        prompts = tokenizer.encode(texts(batch, prompt_field, first))
+        responses = tokenizer.encode(texts(batch, response_field, first), special=False)
         for prompt, response in zip(prompts, responses):
             out["input_ids"].append((prompt + response + eos)[:limit])
             out["labels"].append(([-100] * len(prompt) + response + eos)[:limit])
@@ -498,25 +531,37 @@ def _tokenize(records: Any, data: DataSettings, tokenizer: TextTokenizer, flag: 
     return tokenized
 
 
+# Why a record learns nothing however long --seq_len is (chat.tokenize_record's place of its first learnt token).
+_NOTHING_TO_LEARN = {
+    chat.NO_ASSISTANT_TURN: "no assistant turn (no message with role \"assistant\" to learn from: --train_on "
+                            "assistant, the default, trains on those turns only)",
+    chat.NOTHING_MARKED: "no token the chat template marks as the assistant's ({% generation %} ... "
+                         "{% endgeneration %} encloses nothing of it)",
+}
+
+
 def _check_cut_off(labels: list[list[int]], prompt_tokens: list[int], data: DataSettings, flag: str, path: Path) -> None:
-    """Records that teach nothing: a chat with no assistant turn (its prompt_tokens -1), or one whose every learnt
-    token --seq_len cut off. All of them is exit 2 (the loss would be NaN), some of them one line each kind with the
-    count and the first record."""
+    """Records that teach nothing: a chat whose rendering has nothing to learn (its prompt_tokens a key of
+    _NOTHING_TO_LEARN), or one whose every learnt token --seq_len cut off. All of them is exit 2 (the loss would be
+    NaN), some of them one line each kind with the count and the first record."""
     empty = [i for i, row in enumerate(labels) if all(label == -100 for label in row)]
-    unanswered = [i for i in empty if prompt_tokens[i] < 0]
     cut = [i for i in empty if prompt_tokens[i] >= 0]
-    no_turn = (f"no assistant turn (no message with role \"assistant\" to learn from: --train_on assistant, the "
-               "default, trains on those turns only)")
+    untaught = {}  # why -> the records that learn nothing for that reason
+    for code, why in _NOTHING_TO_LEARN.items():
+        if found := [i for i in empty if prompt_tokens[i] == code]:
+            untaught[why] = found
     if len(empty) == len(labels):
-        if unanswered:
-            raise UsageError(f"{flag} {path}: {'every record has' if not cut else f'{len(unanswered)} records have'} "
-                             f"{no_turn}{f' and the rest are cut off by --seq_len {data.seq_len}' if cut else ''}; "
-                             f"first: record {unanswered[0]}")
+        if untaught:
+            why, found = next(iter(untaught.items()))
+            rest = ("" if len(found) == len(labels) else f" and the rest are cut off by --seq_len {data.seq_len}"
+                    if len(found) + len(cut) == len(labels) else " and the rest learn nothing either")
+            raise UsageError(f"{flag} {path}: {'every record has' if not rest else f'{len(found)} records have'} "
+                             f"{why}{rest}; first: record {found[0]}")
         raise UsageError(f"--seq_len {data.seq_len}: every record of {flag} {path} has its response cut off (the "
                          f"longest prompt is {max(prompt_tokens)} tokens); raise --seq_len or shorten the prompts")
-    if unanswered:
-        print(f"ddptrain: {len(unanswered)} of {len(labels)} records of {flag} {path} have {no_turn} (first: record "
-              f"{unanswered[0]}); they train nothing", flush=True)
+    for why, found in untaught.items():
+        print(f"ddptrain: {len(found)} of {len(labels)} records of {flag} {path} have {why} (first: record "
+              f"{found[0]}); they train nothing", flush=True)
     if cut:
         print(f"ddptrain: {len(cut)} of {len(labels)} records of {flag} {path} have their response cut off by "
               f"--seq_len {data.seq_len} (first: record {cut[0]}); they train nothing", flush=True)
@@ -530,6 +575,8 @@ def _key(data: DataSettings, path: Path, tokenizer: TextTokenizer) -> str:
         h.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     h.update(tokenizer.digest().encode())
     h.update(json.dumps([data.task, _fields(data), data.messages_field, data.train_on, data.seq_len]).encode())
+    if data.chat_template:
+        h.update(chat.read_template_file(data.chat_template).encode())
     return h.hexdigest()[:16]
 
 

@@ -1,20 +1,25 @@
-"""LoRA adapters through peft (`--lora_rank R`): the model's weights frozen, a low-rank update trained beside
-chosen linear layers.
+"""LoRA adapters through peft (`--lora_rank`): the model's weights frozen, a low-rank update trained beside
+chosen layers (linear layers, embeddings), with peft's options: modules trained in full beside them
+(`modules_to_save`), rsLoRA's scale, DoRA's magnitude, the adapters' init.
 
 `apply` injects the adapters into the module in place (peft's `inject_adapter_in_model`: no wrapper class, so
-the loop, the strategies and the task see the same module), after which only the adapters require grad. What
-leaves a run is PEFT's own layout (`save_adapter`: adapter_config.json + adapter_model.safetensors, which
-`PeftModel.from_pretrained(base, DIR)` loads) and, on request, the base weights with the update merged in
-(`merged`), under the base model's own names.
+the loop, the strategies and the task see the same module); peft marks what trains (the adapters and the
+copies of `modules_to_save`), and `apply` checks that PEFT's layout saves every tensor that trains. What
+leaves a run is PEFT's own layout (`save_adapter`: adapter_config.json + adapter_model.safetensors, the
+tensors and names `PeftModel.save_pretrained` writes, which `PeftModel.from_pretrained(base, DIR)` and, for a
+transformers model, `AutoPeftModelFor...from_pretrained(DIR)` load) and the base weights with the adapters
+merged in by peft's own layers (`merged`), under the base model's own names.
 
 May import: the contracts at the top (config, errors). Nothing else in ddptrain.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
-import json
 import math
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +29,13 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from ddptrain.config import FinetuneSettings
-from ddptrain.errors import UsageError
+from ddptrain.errors import TrainingError, UsageError
 
 ADAPTER_NAME = "default"  # peft's name for a model's one adapter
 ADAPTER_DIR = "adapter"  # RUN_DIR/adapter: the trained adapter in PEFT's layout
 # What peft's saved keys carry before a module's own names (its PeftModel wraps the model as base_model.model).
 SAVED_PREFIX = "base_model.model."
+ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head
 
 
 def _peft(flag: str = "--lora_rank") -> Any:
@@ -51,8 +57,7 @@ def default_targets(module: nn.Module) -> list[str]:
               if type(sub).__name__ in block_classes or isinstance(sub, tuple(getattr(module, "fsdp_blocks", ())))]
     chosen = {id(sub) for block in blocks for name, sub in block.named_modules() if isinstance(sub, nn.Linear) and name}
     if not chosen:
-        linears = [sub for sub in module.modules() if isinstance(sub, nn.Linear)]
-        chosen = {id(sub) for sub in linears[:-1]}  # the last one registered writes the outputs: it keeps its weights
+        chosen = {id(sub) for _, sub in _linears_but_the_output(module)}
     named = [(name, id(sub)) for name, sub in module.named_modules()]
 
     @functools.cache
@@ -69,39 +74,103 @@ def default_targets(module: nn.Module) -> list[str]:
     return sorted(targets)
 
 
+def _linears_but_the_output(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every linear layer of a model but its output layer: the last one registered, which writes the outputs."""
+    return [(name, sub) for name, sub in module.named_modules() if isinstance(sub, nn.Linear)][:-1]
+
+
 def matches(name: str, target: str) -> bool:
     """Whether peft adapts the module `name` for an entry `target` of a LoRA config's target_modules."""
     return name == target or name.endswith("." + target)
+
+
+def _names(flag_value: str) -> list[str]:
+    return [t.strip() for t in flag_value.split(",") if t.strip()]
+
+
+def _transformers_model(module: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")  # not imported: no transformers model can be in it
+    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+
+
+def task_type(module: nn.Module) -> str | None:
+    """peft's task type of a transformers model, by the class --task built it as: CAUSAL_LM (--task
+    language_model: AutoModelForCausalLM), SEQ_CLS (classification: AutoModelForSequenceClassification); what
+    `AutoPeftModel` reads to rebuild the base. None for another model, which only `PeftModel` loads."""
+    if not _transformers_model(module):
+        return None
+    from transformers.models.auto import modeling_auto
+
+    for task, mapping in (("CAUSAL_LM", modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+                          ("SEQ_CLS", modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)):
+        if type(module).__name__ in mapping.values():
+            return task
+    return None
+
+
+def base_model_path(model: str) -> str | None:
+    """What adapter_config.json names as the base (`base_model_name_or_path`, where AutoPeftModel finds it): an
+    `hf:` directory as an absolute path, a hub name as it is; None for a built-in or plug-in model."""
+    if not model.startswith("hf:"):
+        return None
+    source = model[len("hf:"):]
+    return str(Path(source).resolve()) if Path(source).is_dir() else source
 
 
 def lora_config(finetune: FinetuneSettings, model: str, module: nn.Module) -> Any:
     """peft's LoraConfig for the [finetune] section's flags (targets: --lora_targets, else `default_targets`) on
     `module`, which --model `model` built."""
     peft = _peft()
-    targets = [t.strip() for t in finetune.lora_targets.split(",") if t.strip()] or default_targets(module)
+    targets: list[str] | str = _names(finetune.lora_targets) or default_targets(module)
+    if targets == [ALL_LINEAR]:
+        # peft leaves out a transformers model's output head itself; of another model it would adapt every one.
+        targets = ALL_LINEAR if _transformers_model(module) else [n for n, _ in _linears_but_the_output(module)]
     if not targets:
         raise UsageError(f"--lora_rank {finetune.lora_rank}: the model has no linear layer to adapt; name the layers "
                          "with --lora_targets")
-    base = model[len("hf:"):] if model.startswith("hf:") else model
+    init = {"true": True, "false": False}.get(finetune.lora_init, finetune.lora_init)
     return peft.LoraConfig(r=finetune.lora_rank, lora_alpha=finetune.lora_alpha, lora_dropout=finetune.lora_dropout,
-                           target_modules=targets, base_model_name_or_path=base, bias="none")
+                           target_modules=targets, modules_to_save=_names(finetune.lora_modules_to_save) or None,
+                           use_rslora=finetune.lora_rslora, use_dora=finetune.lora_dora, init_lora_weights=init,
+                           base_model_name_or_path=base_model_path(model), task_type=task_type(module), bias="none")
 
 
 def apply(module: nn.Module, finetune: FinetuneSettings, model: str) -> nn.Module:
     """Freeze every weight of `module` and inject LoRA adapters into the layers `lora_config` names (in place;
-    returns `module`). The adapters' init draws from torch's global RNG: call it right after building the model,
-    under the same seed on every rank, as the model's own init."""
+    returns `module`); what trains is what peft marks: the adapters and the copies of --lora_modules_to_save.
+    The adapters' init draws from torch's global RNG: call it right after building the model, under the same
+    seed on every rank, as the model's own init."""
     peft = _peft()
     config = lora_config(finetune, model, module)
     names = [name for name, _ in module.named_modules()]
-    missing = sorted(t for t in config.target_modules if not any(matches(name, t) for name in names))
-    if missing:
-        raise UsageError(f"--lora_targets: the model has no layer named {', '.join(missing)}; its linear layers "
-                         f"are named {', '.join(default_targets(module)) or 'nothing'}")
+    for flag, wanted in (("--lora_targets", [] if config.target_modules == ALL_LINEAR else config.target_modules),
+                         ("--lora_modules_to_save", config.modules_to_save or [])):
+        missing = sorted(t for t in wanted if not any(matches(name, t) for name in names))
+        if missing:
+            raise UsageError(f"{flag}: the model has no layer named {', '.join(missing)}; its linear layers "
+                             f"are named {', '.join(default_targets(module)) or 'nothing'}")
+    both = sorted(set(config.modules_to_save or ()) & set(() if config.target_modules == ALL_LINEAR
+                                                          else config.target_modules))
+    if both:
+        raise UsageError(f"--lora_targets and --lora_modules_to_save both name {', '.join(both)}: a layer is adapted "
+                         "or trained in full, not both; drop it from one of them")
     module = peft.inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
     module.lora_config = config  # what save_adapter writes; an attribute of the module travels with it
-    for name, param in module.named_parameters():
-        param.requires_grad_(".lora_" in name)
+    if any(param.is_meta for param in module.parameters()):
+        # Built on the meta device (fsdp), each rank replays the recorded in-place init of its shards; peft draws
+        # an embedding adapter's first values with torch.randn, which is not in place: the draws after it would
+        # differ from the whole build's.
+        embeddings = [name for name, sub in module.named_modules()
+                      if isinstance(sub, peft.tuners.lora.LoraLayer) and isinstance(sub.get_base_layer(), nn.Embedding)]
+        if embeddings:
+            raise UsageError(f"--lora_targets: adapting the embedding {embeddings[0]} works with --strategy ddp only "
+                             "(a sharded run builds the model on the meta device, where peft's init of an "
+                             "embedding adapter cannot be replayed); pass --strategy ddp, or adapt linear layers")
+    saved = saved_names(module)
+    unsaved = [name for name, param in module.named_parameters() if param.requires_grad and name not in saved]
+    if unsaved:
+        raise UsageError(f"--lora_targets {finetune.lora_targets}: PEFT's layout would not save what trains of "
+                         f"{', '.join(unsaved[:3])}{' ...' if len(unsaved) > 3 else ''}; adapt other layers")
     return module
 
 
@@ -116,44 +185,87 @@ def frozen_names(module: nn.Module) -> list[str]:
             if isinstance(value, nn.Parameter) and not value.requires_grad]
 
 
-def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapters of a whole state dict of a LoRA module, under PEFT's saved names."""
-    marker = f".{ADAPTER_NAME}."
-    return {SAVED_PREFIX + name.replace(marker, "."): value for name, value in state.items()
-            if ".lora_A." in name or ".lora_B." in name}
+def saved_names(module: nn.Module) -> dict[str, str]:
+    """The tensors of a LoRA module's PEFT layout: each one's name in `module.state_dict()` -> its key in
+    adapter_model.safetensors. peft chooses and names them (`get_peft_model_state_dict`, as
+    `PeftModel.save_pretrained`): the adapters (`lora_A`/`lora_B`, an embedding's `lora_embedding_A`/`_B`,
+    DoRA's `lora_magnitude_vector`), each --lora_modules_to_save copy under the module's own name, and an
+    adapted embedding layer's base weights. Reads names only: a sharded module's tensors are not gathered."""
+    peft = _peft()
+    state = module.state_dict()  # each value its own object (a tie too): the object says which name it was
+    names = {id(value): name for name, value in state.items()}
+    config = module.peft_config[ADAPTER_NAME]
+    # peft's "auto" asks the base's config (or the Hub) whether the vocabulary was resized, which ddptrain
+    # never does: without a base to ask, it saves embedding layers where they are adapted, as it does then.
+    base, config.base_model_name_or_path = config.base_model_name_or_path, None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Setting save_embedding_layers to True": that is the layout
+            saved = peft.get_peft_model_state_dict(module, state_dict=state, adapter_name=ADAPTER_NAME)
+    finally:
+        config.base_model_name_or_path = base
+    return {names[id(value)]: SAVED_PREFIX + key for key, value in saved.items()}
+
+
+def adapter_state(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of PEFT's layout of the LoRA module `module` (`saved_names`), taken from `state` (its state
+    dict, or the part of it `saved_names` names). A tensor that trains and would not be saved, or one missing
+    from `state`, is a TrainingError: an adapter file never lacks what was trained."""
+    saved = saved_names(module)
+    unsaved = [name for name, param in module.named_parameters() if param.requires_grad and name not in saved]
+    absent = [name for name in saved if name not in state]
+    if unsaved or absent:
+        raise TrainingError(f"the adapter in PEFT's layout would lack {', '.join((unsaved + absent)[:3])}"
+                            f"{' ...' if len(unsaved + absent) > 3 else ''}: not written")
+    return {key: state[name] for name, key in saved.items()}
 
 
 def save_adapter(module: nn.Module, state: dict[str, torch.Tensor], out_dir: Path) -> Path:
-    """`state` (the LoRA module's whole state dict, or its adapters) in PEFT's layout in `out_dir`."""
+    """`state` (the LoRA module's whole state dict, or the part `saved_names` names) in PEFT's layout in
+    `out_dir`: adapter_config.json (its task type and base model, for AutoPeftModel) and
+    adapter_model.safetensors."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_state(module, state).items()}
     out_dir.mkdir(parents=True, exist_ok=True)
     module.lora_config.save_pretrained(str(out_dir))
-    tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_state(state).items()}
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
 
-def merged(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The base model's state dict with each adapter's update merged into its layer: W + (alpha / r) B A, under
-    the names the model had before `apply` (a plain `save_pretrained`/`load_state_dict` of the base model).
-    `config`: the adapter_config.json's fields."""
-    scale = config["lora_alpha"] / config["r"]
-    out: dict[str, torch.Tensor] = {}
-    for name, value in state.items():
-        if ".lora_A." in name or ".lora_B." in name:
+@torch.no_grad()
+def merged(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of the LoRA module `module`'s base model with its adapters merged in, under the names the
+    model had before `apply` (a plain `save_pretrained`/`load_state_dict` of the base model): what peft's
+    `merge_and_unload` leaves, by its own layers' merge (LoRA, rsLoRA's scale, DoRA's magnitude, an
+    embedding's adapter) and each --lora_modules_to_save copy in place of its module. `module` is left as it
+    is: each adapted layer is merged in a copy of itself, one at a time, so the merged layers are the one copy
+    held beside it. Call on a module whose tensors are whole (not sharded)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import AuxiliaryTrainingWrapper
+
+    unloaded: dict[str, dict[str, torch.Tensor]] = {}
+    for name, sub in module.named_modules():
+        if any(name.startswith(done + ".") for done in unloaded):
             continue
-        if ".base_layer." in name:
-            layer, leaf = name.split(".base_layer.")
-            if leaf == "weight":
-                a = state[f"{layer}.lora_A.{ADAPTER_NAME}.weight"]
-                b = state[f"{layer}.lora_B.{ADAPTER_NAME}.weight"]
-                value = value + scale * (b.to(torch.float32) @ a.to(torch.float32)).to(value.dtype)
-            name = f"{layer}.{leaf}"
-        out[name] = value
+        if isinstance(sub, AuxiliaryTrainingWrapper):  # a modules_to_save copy (merged too, if it holds adapters)
+            holds_adapters = any(isinstance(inner, BaseTunerLayer) for inner in sub.modules())
+            sub = (copy.deepcopy(sub) if holds_adapters else sub).unload_and_optionally_merge_module(
+                merge=True, safe_merge=False, adapter_names=[ADAPTER_NAME])
+        elif isinstance(sub, BaseTunerLayer):
+            sub = copy.deepcopy(sub)
+            sub.merge(adapter_names=[ADAPTER_NAME])
+            sub = sub.get_base_layer()
+        else:
+            continue
+        unloaded[name] = sub.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    owners = list(unloaded)
+    for name, value in module.state_dict().items():
+        owner = next((layer for layer in owners if name.startswith(layer + ".")), None)
+        if owner is None:
+            out[name] = value
+        elif owner in unloaded:  # the layer's first tensor: the unloaded layer's tensors, under its own name
+            out.update({f"{owner}.{key}": tensor for key, tensor in unloaded.pop(owner).items()})
     return out
-
-
-def read_adapter_config(directory: Path) -> dict[str, Any]:
-    return json.loads((directory / "adapter_config.json").read_text())
 
 
 # The weight of an element's position in a fingerprint: a multiplicative hash of its index in the whole tensor

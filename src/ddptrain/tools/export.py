@@ -8,7 +8,8 @@ checkpoint (--strategy fsdp/hsdp) is consolidated: its shards, from any number o
 CHECKPOINT_DIR may also be a run dir or its checkpoints/ dir: the newest committed checkpoint is used.
 
 `--hf OUT_DIR` (a run of a transformers model, `--model hf:...`) writes the save_pretrained layout instead of,
-or as well as, OUT.safetensors: `AutoModelFor...from_pretrained(OUT_DIR)` loads the checkpoint's model.
+or as well as, OUT.safetensors: `AutoModelFor...from_pretrained(OUT_DIR)` loads the checkpoint's model. A LoRA
+run's checkpoint holds what trained only: `--merge` reads its base model again and merges the adapters in.
 
 CHECKPOINT_DIR may also be a save_pretrained directory in HF's sharded layout (`model.safetensors.index.json`
 and its files: RUN_DIR/hf/ of a --strategy fsdp run, written shard by shard): it is consolidated into
@@ -142,9 +143,10 @@ def main(argv: list[str]) -> int:
 
 def merge_adapters(config: dict, adapters: dict[str, torch.Tensor], frozen: dict | None,
                    checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The base model of a LoRA run (its --model, read again) with the checkpoint's adapters merged in, under the
-    base model's own names. The base must be the one the adapters were trained on (the checkpoint's
-    fingerprint of the frozen weights)."""
+    """The base model of a LoRA run (its --model, read again) with the checkpoint's adapters merged in by peft's
+    own layers (as `merge_and_unload`: rsLoRA, DoRA, embeddings, --lora_modules_to_save), under the base model's
+    own names. The base must be the one the adapters were trained on (the checkpoint's fingerprint of the
+    frozen weights)."""
     cfg = TrainConfig(**{k: v for k, v in config.items() if k in TrainConfig.__dataclass_fields__})
     torch.manual_seed(cfg.seed)  # a base built from a config alone is the run's seeded init
     module = lora.apply(model_of(cfg), cfg.section("finetune"), cfg.model)
@@ -152,7 +154,7 @@ def merge_adapters(config: dict, adapters: dict[str, torch.Tensor], frozen: dict
     if frozen is None or not lora.same_weights(frozen["fingerprint"], lora.fingerprint(module, frozen["names"])):
         raise UsageError(f"--merge: --model {cfg.model} now gives other weights than {checkpoint}'s adapters were "
                          "trained on (their fingerprint differs); merge on the base model of the run")
-    return lora.merged(module.state_dict(), {"r": cfg.lora_rank, "lora_alpha": cfg.lora_alpha})
+    return lora.merged(module)
 
 
 def export_hf(config: dict, weights: dict[str, torch.Tensor], checkpoint: Path, out_dir: Path) -> None:
