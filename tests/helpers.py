@@ -19,10 +19,12 @@ from ddptrain.parallel.procenv import fresh_env
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A tiny, fast, BatchNorm-free job: results are exactly comparable across world sizes. Batch and lr are
-# pinned (the tests count steps of 32 samples and expect learning at lr 0.1), not left to the defaults.
+# A tiny, fast, BatchNorm-free job: results are exactly comparable across world sizes. Batch, optimizer and lr
+# are pinned (the tests count steps of 32 samples and expect learning at SGD's lr 0.1), not left to the defaults,
+# which differ for language models (a fine-tuner's AdamW: config.transformer_defaults).
 TINY = ["--model", "mlp", "--image_size", "8", "--width", "32", "--dataset_size", "256", "--eval_size", "61",
-        "--num_workers", "0", "--log_interval", "1", "--no-progress", "--batch_size", "32", "--lr", "0.1"]
+        "--num_workers", "0", "--log_interval", "1", "--no-progress", "--batch_size", "32", "--optimizer", "sgd",
+        "--lr", "0.1"]
 
 
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -288,3 +288,43 @@ def test_a_boolean_flag_takes_true_or_false_as_users_spell_it():
     with pytest.raises(UsageError, match="--no-progress takes no value"):
         resolve_config(["--no-progress", "false"], validate=False)
     assert "--progress [true|false], --no-progress\n" in build_parser().format_help()
+
+
+def test_a_transformer_trains_with_a_fine_tuners_defaults_unless_set():
+    """--task language_model (or any hf: model) takes AdamW, no weight decay, 3 % warmup then cosine, clipping at 1,
+    one loader worker and an lr for what trains, each where no flag set it; images keep the seed's defaults."""
+    lm = ["--task", "language_model", "--model", "gpt", "--dataset", "pydoc"]
+    picked = lambda cfg: (cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.lr_schedule, cfg.warmup_ratio,  # noqa: E731
+                          cfg.grad_clip, cfg.num_workers)
+    assert picked(resolve_config(lm)) == ("adamw", 3e-4, 0.0, "cosine", 0.03, 1.0, 1)
+    assert picked(resolve_config([])) == ("sgd", 0.01, 1e-4, "constant", 0.0, 0.0, 4)
+    assert picked(resolve_config([*lm, "--optimizer", "sgd", "--lr", "0.1", "--num_workers", "0"]))[:2] == ("sgd", 0.1)
+    assert resolve_config([*lm, "--warmup_steps", "5"]).warmup_ratio == 0.0
+    assert resolve_config([*lm, "--lora_rank", "8"]).lr == 2e-4  # (validate reads no model files)
+    whole = TrainConfig(task="classification", model="hf:somewhere", dataset="hf:rows.jsonl")
+    whole.settle()
+    assert (whole.optimizer, whole.lr) == ("adamw", 2e-5)
+    with pytest.raises(UsageError, match="--warmup_steps 5 and --warmup_ratio 0.1 both say how long"):
+        resolve_config([*lm, "--warmup_steps", "5", "--warmup_ratio", "0.1"])
+
+
+def test_a_run_resumed_keeps_what_it_trained_with_where_the_defaults_decided(tmp_path):
+    """A language model's run started before its defaults changed (here: trained under SGD at 0.01, constant) goes
+    on with those, not refused as changed settings, and not switched to AdamW mid-run; a flag still decides
+    (--accept_config_change aside, a changed one is refused). In this process."""
+    import ddptrain
+    from ddptrain.config import load_toml
+
+    lm = ["--task", "language_model", "--model", "gpt", "--dataset", "lm_plugins:masked_lm", "--vocab_size", "64",
+          "--seq_len", "16", "--width", "16", "--num_layers", "1", "--num_heads", "2", "--dataset_size", "64",
+          "--eval_size", "8", "--batch_size", "4", "--num_workers", "0", "--no-progress", "--save_every", "0",
+          "--save_every_steps", "2", "--run_dir", str(tmp_path)]
+    before = ["--optimizer", "sgd", "--lr", "0.01", "--weight_decay", "1e-4", "--lr_schedule", "constant",
+              "--grad_clip", "0"]
+    ddptrain.fit(config=resolve_config([*lm, *before, "--max_steps", "2"]))
+    summary = ddptrain.fit(config=resolve_config([*lm, "--max_steps", "4"]))
+    assert summary["step"] == 4
+    kept = load_toml(str(tmp_path / "config.toml"))
+    assert (kept["optimizer"], kept["lr"], kept["lr_schedule"], kept["grad_clip"]) == ("sgd", 0.01, "constant", 0.0)
+    with pytest.raises(UsageError, match="was trained with other settings \\(optimizer 'sgd' -> 'adamw'\\)"):
+        ddptrain.fit(config=resolve_config([*lm, "--max_steps", "6", "--optimizer", "adamw"]))

@@ -307,7 +307,8 @@ def test_a_corrupted_shard_fails_its_digest_and_resume_falls_back(copied, fsdp):
 
 GPT = ["--task", "language_model", "--model", "gpt", "--dataset", "pydoc", "--vocab_size", "256", "--seq_len", "32",
        "--width", "32", "--num_layers", "2", "--num_heads", "2", "--batch_size", "8", "--optimizer", "adamw",
-       "--lr", "0.003", "--grad_clip", "1.0", "--save_every", "0", "--save_every_steps", "3"]
+       "--lr", "0.003", "--grad_clip", "1.0", "--save_every", "0", "--save_every_steps", "3",
+       "--lr_schedule", "constant"]  # (a run continued to a later --max_steps: the same lr before and after)
 
 
 def test_a_tied_weight_gpt_under_fsdp_matches_ddp_and_resumes_bitwise(tmp_path):

@@ -101,15 +101,17 @@ def _train(cfg: TrainConfig, ctx: Any, run_dir: Path, parts: Parts | None, watch
         try:
             watched.enter_context(watchdog)
             if not os.environ.get(LOCAL_LAUNCH_ENV):  # else the launcher checked and wrote it
-                refusal = None
+                refusal = kept = None
                 if ctx.is_main:
                     try:
-                        settle_settings(cfg)
+                        kept = settle_settings(cfg)
                     except UsageError as exc:
                         refusal = str(exc)
-                refusal = ctx.broadcast_object(refusal)  # every rank exits alike
+                refusal, kept = ctx.broadcast_object((refusal, kept))  # every rank exits, or trains, alike
                 if refusal is not None:
                     raise UsageError(refusal)
+                for name, value in kept.items():
+                    setattr(cfg, name, value)
             if ctx.is_main:
                 log.info("run dir %s · world size %d · backend %s · device %s", run_dir, ctx.world_size,
                          ctx.backend, ctx.device)
@@ -194,6 +196,12 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
             hint = difflib.get_close_matches(key, known, n=1)
             raise UsageError(f"fit({key}=...): not a TrainConfig field" + (f"; did you mean {hint[0]}?" if hint else ""))
     cfg = dataclasses.replace(config or TrainConfig(), **overrides)
+    # What was set: the arguments, and what set a config's settings (a resolved config's `given`; else those away
+    # from their defaults).
+    set_before = getattr(config, "given", None) if config is not None else set()
+    if set_before is None:
+        set_before = {f.name for f in dataclasses.fields(config) if getattr(config, f.name) != f.default}
+    given = set(overrides) | set_before
     if not cfg.run_dir:
         # `fit` resumes only a run dir you name (as HF Trainer's resume_from_checkpoint and Lightning's ckpt_path
         # are explicit), or its own run after a launcher's restart. Unnamed, each call starts fresh in
@@ -201,7 +209,7 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
         cfg.run_dir = str(Path("runs") / Path(sys.argv[0] or "default").stem)
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
             cfg.auto_resume = False
-    cfg.settle()
+    cfg.settle(given)
     cfg.validate()
     refuse_ignored(cfg, set(overrides))
     check(cfg)

@@ -135,6 +135,8 @@ class TrainConfig:
     lr_schedule: str = opt("constant", "learning-rate schedule after warmup: constant, cosine (to --min_lr), "
                            "linear (to --min_lr)", choices=("constant", "cosine", "linear"))
     warmup_steps: int = opt(0, "linear warmup from 0 to lr over this many optimizer steps", min=0)
+    warmup_ratio: float = opt(0.0, "linear warmup over this share of the run's optimizer steps (instead of "
+                              "--warmup_steps)", min=0.0)
     min_lr: float = opt(0.0, "final learning rate of the cosine and linear schedules", min=0.0)
     scale_lr: bool = opt(False, "linear scaling rule: lr *= global_batch_size / base_batch_size")
     base_batch_size: int = opt(256, "global batch size that --lr was tuned for (used by --scale_lr)", min=1)
@@ -311,6 +313,20 @@ class TrainConfig:
             raise KeyError(f"no section {name!r}; the sections are {', '.join(SECTIONS)}")
         return _SECTION_TYPES[name](**{key: getattr(self, key) for key in section_fields(name)})
 
+    def trains_a_transformer(self) -> bool:
+        """A language model (--task language_model) or any `hf:` model: trained with `transformer_defaults`."""
+        return self.task == "language_model" or self.model.startswith("hf:")
+
+    def transformer_defaults(self) -> dict[str, Any]:
+        """What a transformer trains with where its settings leave it, as fine-tuners expect (transformers' and
+        TRL's Trainer): AdamW with no weight decay, 3 % of the run warming up then a cosine decay, gradients
+        clipped at 1, a peak lr for what trains (LoRA adapters 2e-4, a `hf:` model's whole weights 2e-5, a
+        model trained from its init 3e-4), and one loader worker (tokenized rows cost little to read). The
+        declared defaults, the image seed's, stay for everything else."""
+        lr = 2e-4 if self.lora_rank else 2e-5 if self.model.startswith("hf:") else 3e-4
+        return {"optimizer": "adamw", "lr": lr, "weight_decay": 0.0, "lr_schedule": "cosine", "warmup_ratio": 0.03,
+                "grad_clip": 1.0, "num_workers": 1}
+
     def lr_scaling_warning(self, global_batch_size: int) -> str | None:
         """The warning that --lr was tuned for another global batch, or None where it is not actionable.
 
@@ -328,9 +344,19 @@ class TrainConfig:
                 f"--lr {self.lr:g} was tuned for: the linear scaling rule (--scale_lr) would train at lr "
                 f"{self.lr * factor:g} (x{factor:g}); training at {self.lr:g}")
 
-    def settle(self) -> None:
-        """Fill in what the settings imply: --tracker tensorboard turns --tensorboard on, and a --resume_from
-        that names `checkpoints/step-N` of the run dir (not found from here) is that path."""
+    def settle(self, given: set[str] | None = None) -> None:
+        """Fill in what the settings imply: a transformer's training defaults where `given` (the settings a flag,
+        a config file or a `fit` argument set; None: those away from their default) leaves them
+        (`transformer_defaults`), --tracker tensorboard turns --tensorboard on, and a --resume_from that names
+        `checkpoints/step-N` of the run dir (not found from here) is that path."""
+        if given is None:
+            given = {f.name for f in fields(self) if getattr(self, f.name) != f.default}
+        self.given = given  # (not a setting: what set them, for a `fit` that settles this config again)
+        if self.trains_a_transformer():
+            self.by_task = sorted(set(self.transformer_defaults()) - given - ({"warmup_ratio"} if self.warmup_steps
+                                                                               else set()))
+            for name in self.by_task:
+                setattr(self, name, self.transformer_defaults()[name])
         if "tensorboard" in parse_trackers(self.tracker):
             self.tensorboard = True
         if self.resume_from and not Path(self.resume_from).is_absolute() and not Path(self.resume_from).exists() \
@@ -386,6 +412,11 @@ class TrainConfig:
         _check_inject_fault(self.inject_fault)
         if self.max_time:
             parse_duration(self.max_time, "--max_time")
+        if self.warmup_steps and self.warmup_ratio:
+            raise UsageError(f"--warmup_steps {self.warmup_steps} and --warmup_ratio {self.warmup_ratio:g} both say how "
+                             "long to warm up; pass one")
+        if self.warmup_ratio >= 1.0:
+            raise UsageError(f"--warmup_ratio {self.warmup_ratio:g}: must be below 1 (a share of the run's steps)")
         if self.lora_dropout >= 1.0:
             raise UsageError(f"--lora_dropout {self.lora_dropout}: must be below 1 (0 = no dropout)")
         self._validate_lora()
@@ -490,11 +521,11 @@ TRAINING_SETTINGS = (
     "lora_modules_to_save", "lora_rslora", "lora_dora", "lora_init",
     "pad_token_id", "seq_len", "vocab_size", "num_layers", "num_heads", "num_classes", "in_channels",
     "image_size", "dataset_size", "width", "norm", "sync_batchnorm", "optimizer", "lr", "momentum", "weight_decay",
-    "decay_all", "lr_schedule", "warmup_steps", "min_lr", "scale_lr", "base_batch_size", "grad_clip", "use_amp",
+    "decay_all", "lr_schedule", "warmup_steps", "warmup_ratio", "min_lr", "scale_lr", "base_batch_size", "grad_clip", "use_amp",
     "amp_dtype", "param_dtype", "reduce_dtype", "seed", "packing", "chat_template")
 # Settings added after runs named their dir by the digest: counted only away from their default, so that a job
 # run again on a newer version finds its run dir (and its checkpoints) where it left them.
-_DIGEST_SINCE = {"packing": False, "chat_template": "", "lora_modules_to_save": "", "lora_rslora": False,
+_DIGEST_SINCE = {"warmup_ratio": 0.0, "packing": False, "chat_template": "", "lora_modules_to_save": "", "lora_rslora": False,
                  "lora_dora": False, "lora_init": "true"}
 
 
@@ -701,13 +732,14 @@ def resolve_config(argv: list[str], *, validate: bool = True, prog: str = "ddptr
     values = load_toml(config_file) if config_file else {}
     values.update(args)
     cfg = TrainConfig(**values)
+    given = set(values)
     if not cfg.run_dir:
         # Runs without a config file get a dir of their own per set of training settings: the same command run
         # again (a restart, a requeue) finds its checkpoints, another command does not train on top of them.
         name = Path(config_file).stem if config_file else f"default-{settings_digest(cfg)}"
         cfg.run_dir = str(Path("runs") / name)
     if validate:
-        cfg.settle()
+        cfg.settle(given)
         cfg.validate()
         refuse_ignored(cfg, set(args))
     return cfg

@@ -21,6 +21,7 @@ still read (read.py) under any strategy, and exported.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -372,11 +373,31 @@ def resume_changes(cfg: Any) -> tuple[Path | None, list[str]]:
     return path, setting_changes(saved, cfg.to_dict())
 
 
-def settle_settings(cfg: Any) -> None:
+def settle_settings(cfg: Any) -> dict[str, Any]:
     """The job's settings, once per job, by the process that outlives its workers' restarts (a local launcher,
-    else rank 0): refuse settings that changed since the checkpoint this run resumes, then write config.toml."""
+    else rank 0): keep what a resumed run trained with where the task's defaults decided (`keep_trained_with`),
+    refuse settings that changed since the checkpoint this run resumes, then write config.toml. Returns the
+    settings the defaults decided, as kept (for the ranks that did not read them)."""
+    keep_trained_with(cfg)
     refuse_changed_settings(cfg)
     write_resolved(cfg, Path(cfg.run_dir))
+    return {name: getattr(cfg, name) for name in getattr(cfg, "by_task", ())}
+
+
+def keep_trained_with(cfg: Any) -> None:
+    """A run resumed goes on with what it trained with where no flag, file or argument set it and the task's
+    defaults decided (`TrainConfig.by_task`, which a newer ddptrain may decide otherwise): those settings are the
+    checkpoint's (a setting it predates, its declared default then)."""
+    path, _ = resume_changes(cfg)
+    if path is None or not getattr(cfg, "by_task", ()):
+        return
+    try:
+        saved = json.loads((path / MANIFEST).read_text()).get("config", {})
+    except (OSError, ValueError):  # unreadable: resume's own checks say why, or fall back
+        return
+    declared = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for name in cfg.by_task:
+        setattr(cfg, name, saved.get(name, declared[name]))
 
 
 def refuse_changed_settings(cfg: Any) -> None:

@@ -61,8 +61,9 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
 def build_scheduler(training: TrainingSettings, optimizer: torch.optim.Optimizer, peak_lr: float,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     min_ratio = training.min_lr / peak_lr if peak_lr > 0 else 0.0
+    warmup = training.warmup_steps or math.ceil(training.warmup_ratio * total_steps)  # (--warmup_ratio: rounded up)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, training.warmup_steps, total_steps, training.lr_schedule, min_ratio))
+        optimizer, lambda s: lr_factor(s, warmup, total_steps, training.lr_schedule, min_ratio))
 
 
 def peak_lr(training: TrainingSettings, global_batch_size: int) -> float:
