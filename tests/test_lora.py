@@ -3,7 +3,8 @@ batches; 2 processes must train the adapters 1 process trains, a killed run must
 the adapters only, and RUN_DIR/adapter/ must load with peft's own PeftModel.from_pretrained and
 AutoPeftModelForCausalLM. Every adapter kind and option peft offers through the flags (embeddings, DoRA,
 rsLoRA, modules_to_save, all-linear, the inits) is saved as peft's save_pretrained saves it and merged as its
-merge_and_unload merges it, into RUN_DIR/hf/ and by `export --merge`."""
+merge_and_unload merges it, into RUN_DIR/hf/ and by `export --merge`. A classifier's head (a Llama's score, a
+built-in's output layer) trains in full beside the adapters and is saved with them, under ddp and fsdp."""
 
 from __future__ import annotations
 
@@ -30,12 +31,13 @@ LORA = ["--lora_rank", "4", "--lora_alpha", "8"]
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # square: hidden x hidden
 
 
-def llama(directory: Path, seed: int = 0, width: int = 32) -> Path:
-    """A 2-layer Llama saved with its weights (save_pretrained), as a fine-tuner's base model is."""
+def llama(directory: Path, seed: int = 0, width: int = 32, **config: Any) -> Path:
+    """A 2-layer Llama saved with its weights (save_pretrained), as a fine-tuner's base model is; `config`: more
+    of its LlamaConfig."""
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
-                                      max_position_embeddings=32)
+                                      max_position_embeddings=32, **config)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     return directory
 
@@ -231,6 +233,104 @@ def test_all_linear_leaves_out_the_output_head_and_a_classifier_adapter_names_it
         assert adapted(adapted_built_in(model, lora_targets="all-linear")[0]) == BUILT_IN[model][2]
 
 
+def classifier(base: Path, seed: int = 0) -> torch.nn.Module:
+    """The base as a 3-class sequence classifier (`--task classification --num_classes 3`): its `score` head is
+    not in the base's files, drawn fresh after `seed`. Padding id 0, so that it classifies a batch."""
+    torch.manual_seed(seed)
+    return transformers.LlamaForSequenceClassification.from_pretrained(base, num_labels=3, pad_token_id=0)
+
+
+def test_a_classifiers_head_trains_in_full_and_is_saved_and_loaded_as_peft_does_it(base, tmp_path):
+    """--lora_rank on a classifier: its head (score), which the base lacks and which starts from a random init,
+    was frozen there (only the adapters trained) and left out of RUN_DIR/adapter, so that the adapter loaded in
+    another process gave another, random, head. Now it trains in full, as peft's SEQ_CLS modules_to_save: it
+    requires grad and moves in a step; the adapter holds it under the key peft's save_pretrained writes for a
+    modules_to_save copy (the same tensors and names as peft's for the same config, bitwise), its config lists
+    it; and PeftModel / AutoPeftModelForSequenceClassification load it onto a base whose head was drawn from
+    another seed to the trained model's logits. A head is trained in full, never adapted: `--lora_targets
+    score` is one line."""
+    from ddptrain.errors import UsageError
+    from ddptrain.models import lora
+
+    model = lora.apply(classifier(base), finetune(), f"hf:{base}")
+    trains = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert "score.weight" in trains and all(".lora_" in name for name in trains - {"score.weight"}), sorted(trains)
+    assert not any(".lora_" in name for name in trains if name.startswith("score"))
+    init = model.score.weight.detach().clone()
+    ids = torch.randint(1, VOCAB, (4, 12), generator=torch.Generator().manual_seed(6))
+    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=0.5)
+    torch.nn.functional.cross_entropy(model(ids).logits, torch.tensor([0, 1, 2, 1])).backward()
+    optimizer.step()
+    assert not torch.equal(model.score.weight, init), "the head trained"
+
+    lora.save_adapter(model, model.state_dict(), tmp_path / "ours")
+    ours = weights(tmp_path / "ours" / "adapter_model.safetensors")
+    assert torch.equal(ours[lora_key("score.weight")], model.score.weight)
+    config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert config["task_type"] == "SEQ_CLS" and "score" in config["modules_to_save"]
+    theirs = peft.get_peft_model(classifier(base), lora.lora_config(finetune(), f"hf:{base}", classifier(base)))
+    assert not peft.set_peft_model_state_dict(theirs, ours).unexpected_keys
+    theirs.save_pretrained(tmp_path / "theirs")
+    assert_bitwise_equal(ours, weights(tmp_path / "theirs" / "adapter_model.safetensors"))
+    with torch.no_grad():
+        logits = model.eval()(ids).logits
+        loaded = peft.PeftModel.from_pretrained(classifier(base, seed=1), tmp_path / "ours").eval()
+        assert torch.equal(loaded(ids).logits, logits)
+        torch.manual_seed(2)
+        auto = peft.AutoPeftModelForSequenceClassification.from_pretrained(tmp_path / "ours", num_labels=3,
+                                                                           pad_token_id=0).eval()
+        assert torch.equal(auto(ids).logits, logits)
+        assert torch.equal(lora.merged(model)["score.weight"], model.score.weight), "merged: the trained head"
+    with pytest.raises(UsageError, match=r"--lora_targets score: names the classifier's head \(score\)"):
+        lora.apply(classifier(base), finetune(lora_targets="q_proj,score"), f"hf:{base}")
+
+
+def labelled_words(directory: Path) -> tuple[Path, Path]:
+    """(a word-level tokenizer of VOCAB ids, <pad> 0; JSON lines of texts of its words and a label in 0..2, the
+    first word's number mod 3)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", unk_token="<unk>",
+                                         eos_token="<unk>").save_pretrained(directory / "tokenizer")
+    generator = torch.Generator().manual_seed(7)
+    records = []
+    for _ in range(64):
+        numbers = torch.randint(0, VOCAB - 2, (int(torch.randint(3, 9, (), generator=generator)),), generator=generator)
+        records.append({"text": " ".join(f"w{n}" for n in numbers.tolist()), "label": int(numbers[0]) % 3})
+    (directory / "train.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    return directory / "tokenizer", directory / "train.jsonl"
+
+
+def test_a_classifiers_lora_run_under_fsdp_trains_its_head_and_peft_loads_it(tmp_path):
+    """`--task classification --model hf:DIR --lora_rank 4` from the command line, under fsdp on 2 processes: the
+    model built on the meta device, each rank filling its shards, the head among them (it trains in place: a
+    peft copy of it could not be filled shard by shard). The head trains (off the init the run's seed draws),
+    model.safetensors and RUN_DIR/adapter hold it, and PeftModel.from_pretrained onto a base whose head was
+    drawn from another seed gives the trained model's logits."""
+    from ddptrain.models import lora
+
+    base = llama(tmp_path / "llama", pad_token_id=0)
+    tokenizer, records = labelled_words(tmp_path)
+    train(tmp_path / "run", "--model", f"hf:{base}", "--task", "classification", "--num_classes", "3", "--dataset",
+          f"hf:{records}", "--tokenizer", str(tokenizer), "--seq_len", "12", *LORA, "--batch_size", "8",
+          "--max_steps", "3", "--strategy", "fsdp", nproc=2, timeout=300)
+    assert "built on the meta device" in (tmp_path / "run" / "logs" / "rank-0.log").read_text()
+    trained = weights(tmp_path / "run" / "model.safetensors")
+    adapter = weights(tmp_path / "run" / "adapter" / "adapter_model.safetensors")
+    assert torch.equal(adapter[lora_key("score.weight")], trained["score.weight"])
+    init = classifier(base, seed=42).score.weight  # --seed 42's, as the whole build draws it (and, at --lr 0, fsdp)
+    assert not torch.equal(trained["score.weight"], init), "the head trained"
+    ids = torch.randint(1, VOCAB, (3, 10), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        model = lora.apply(classifier(base), finetune(), f"hf:{base}")
+        missing, unexpected = model.load_state_dict(trained, strict=False)
+        assert not unexpected and "score.weight" not in missing
+        loaded = peft.PeftModel.from_pretrained(classifier(base, seed=1), tmp_path / "run" / "adapter").eval()
+        assert torch.equal(loaded(ids).logits, model.eval()(ids).logits)
+
+
 @pytest.mark.parametrize("flags, message", [
     ({"lora_rank": 0, "lora_dora": True}, "--lora_dora configures LoRA adapters, which are off; set --lora_rank"),
     ({"lora_init": "pissa"}, "--lora_init pissa rewrites the base weights"),
@@ -385,6 +485,8 @@ BUILT_IN = {
             {f"blocks.{block}.{layer}" for block in range(3) for layer in ("qkv", "proj", "mlp.0", "mlp.2")}),
     "mlp": ({"in_channels": 1, "image_size": 4, "width": 8}, lambda: torch.randn(2, 1, 4, 4), {"net.1"}),
 }
+# What each trains in full beside the adapters: a classifier's output layer, its head (gpt's is its embedding's).
+BUILT_IN_HEADS = {"gpt": set(), "mlp": {"net.3.weight", "net.3.bias"}}
 
 
 def adapted_built_in(model: str, lora_targets: str = "") -> tuple[torch.nn.Module, Callable[[], torch.nn.Module]]:
@@ -412,16 +514,18 @@ def adapted(module: torch.nn.Module) -> set[str]:
 def test_the_default_targets_of_a_built_in_model_are_its_linear_layers_and_load_in_peft(model, tmp_path):
     """gpt's were `0` and `2` (of mlp.0 and mlp.2), which peft matched to whole blocks too (issue 54 item 7: exit 1
     inside peft). Now every linear layer inside the blocks (mlp, which has none: all but the output layer) is
-    adapted, and nothing else; the model runs, and its adapter in PEFT's layout (as RUN_DIR/adapter) loads onto
-    the plain model with peft's PeftModel.from_pretrained to the same outputs."""
+    adapted, and nothing else; mlp's output layer, a classifier's head as fresh as a transformers classifier's,
+    trains in full (it stayed frozen at its random init before); the model runs, and its adapter in PEFT's layout
+    (as RUN_DIR/adapter, the head under modules_to_save) loads onto the plain model with peft's
+    PeftModel.from_pretrained to the same outputs."""
     from ddptrain.models import lora
 
     _, inputs, layers = BUILT_IN[model]
     module, plain = adapted_built_in(model)
     assert adapted(module) == layers
-    for name, param in module.named_parameters():
-        if ".lora_B." in name:  # B starts at zero: the adapters would change nothing yet
-            param.data.normal_()
+    trains = {name for name, param in module.named_parameters() if param.requires_grad and ".lora_" not in name}
+    assert trains == BUILT_IN_HEADS[model]
+    module = moved(module)  # B starts at zero, the head at the plain model's init: they would change nothing yet
     lora.save_adapter(module, module.state_dict(), tmp_path)
     loaded = peft.PeftModel.from_pretrained(plain(), tmp_path)
     x = inputs()
@@ -432,7 +536,8 @@ def test_the_default_targets_of_a_built_in_model_are_its_linear_layers_and_load_
 
 
 def test_the_built_in_mini_resnet_has_no_default_target_and_dotted_targets_name_layers():
-    """mini_resnet's only linear layer is its output layer: --lora_rank alone is one line naming --lora_targets.
+    """mini_resnet's only linear layer is its output layer, its head (trained in full beside what --lora_targets
+    adapts): --lora_rank alone is one line naming --lora_targets.
     A target names the layers whose dotted name ends with it, as peft matches it: `mlp.2` (refused before as no
     layer's last name)."""
     from ddptrain.config import TrainConfig
@@ -442,6 +547,7 @@ def test_the_built_in_mini_resnet_has_no_default_target_and_dotted_targets_name_
     cfg = TrainConfig(model="mini_resnet", width=4, lora_rank=4)
     with pytest.raises(UsageError, match="--lora_targets"):
         lora.apply(build_model(cfg.section("data")), cfg.section("finetune"), "mini_resnet")
+    assert lora.heads(build_model(cfg.section("data"))) == ["head"]  # trained in full beside what it adapts
     module, _ = adapted_built_in("gpt", lora_targets="mlp.2,qkv")
     assert adapted(module) == {f"blocks.{block}.{layer}" for block in range(3) for layer in ("qkv", "mlp.2")}
 

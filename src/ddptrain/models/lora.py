@@ -1,14 +1,17 @@
 """LoRA adapters through peft (`--lora_rank`): the model's weights frozen, a low-rank update trained beside
 chosen layers (linear layers, embeddings), with peft's options: modules trained in full beside them
-(`modules_to_save`), rsLoRA's scale, DoRA's magnitude, the adapters' init.
+(`modules_to_save`), rsLoRA's scale, DoRA's magnitude, the adapters' init. A classifier's head (`heads`: what
+peft puts in modules_to_save for a sequence classifier) is initialised fresh for the task: it trains in full.
 
 `apply` injects the adapters into the module in place (peft's `inject_adapter_in_model`: no wrapper class, so
 the loop, the strategies and the task see the same module); peft marks what trains (the adapters and the
-copies of `modules_to_save`), and `apply` checks that PEFT's layout saves every tensor that trains. What
-leaves a run is PEFT's own layout (`save_adapter`: adapter_config.json + adapter_model.safetensors, the
-tensors and names `PeftModel.save_pretrained` writes, which `PeftModel.from_pretrained(base, DIR)` and, for a
-transformers model, `AutoPeftModelFor...from_pretrained(DIR)` load) and the base weights with the adapters
-merged in by peft's own layers (`merged`), under the base model's own names.
+copies of `modules_to_save`; a head trains in place, its own parameters unfrozen, so that a model built on the
+meta device fills it as it fills every weight), and `apply` checks that PEFT's layout saves every tensor that
+trains. What leaves a run is PEFT's own layout (`save_adapter`: adapter_config.json +
+adapter_model.safetensors, the tensors and names `PeftModel.save_pretrained` writes, which
+`PeftModel.from_pretrained(base, DIR)` and, for a transformers model, `AutoPeftModelFor...from_pretrained(DIR)`
+load) and the base weights with the adapters merged in by peft's own layers (`merged`), under the base model's
+own names.
 
 May import: the contracts at the top (config, errors). Nothing else in ddptrain.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -36,6 +40,11 @@ ADAPTER_DIR = "adapter"  # RUN_DIR/adapter: the trained adapter in PEFT's layout
 # What peft's saved keys carry before a module's own names (its PeftModel wraps the model as base_model.model).
 SAVED_PREFIX = "base_model.model."
 ALL_LINEAR = "all-linear"  # peft's name for every linear layer but the output head
+# What peft's PeftModelForSequenceClassification adds to modules_to_save (a sequence classifier's head, by its
+# common names; peft.utils.constants.SEQ_CLS_HEAD_NAMES): trained in full, saved with the adapters.
+SEQ_CLS_HEADS = ("classifier", "score")
+# The built-in models whose output layer is a head of num_classes outputs, as fresh as a transformers classifier's.
+_BUILT_IN_CLASSIFIERS = ("MLP", "MiniResNet")
 
 
 def _peft(flag: str = "--lora_rank") -> Any:
@@ -48,16 +57,18 @@ def _peft(flag: str = "--lora_rank") -> Any:
 
 def default_targets(module: nn.Module) -> list[str]:
     """The linear layers inside the model's repeated blocks (attention and MLP projections); every linear layer
-    but the output layer where the model has no blocks. Each is named as peft matches a target (the end of a
-    module's dotted name), by the fewest trailing components that name these linear layers only and do not end
-    at a bare position: `q_proj` in a transformers model, `mlp.0` in a block whose `0` would also name the first
-    block."""
+    but the output layer where the model has no blocks; none of a classifier's `heads`, which train in full. Each
+    is named as peft matches a target (the end of a module's dotted name), by the fewest trailing components that
+    name these linear layers only and do not end at a bare position: `q_proj` in a transformers model, `mlp.0` in
+    a block whose `0` would also name the first block."""
     block_classes = set(getattr(module, "_no_split_modules", None) or ())
     blocks = [sub for sub in module.modules()
               if type(sub).__name__ in block_classes or isinstance(sub, tuple(getattr(module, "fsdp_blocks", ())))]
     chosen = {id(sub) for block in blocks for name, sub in block.named_modules() if isinstance(sub, nn.Linear) and name}
     if not chosen:
         chosen = {id(sub) for _, sub in _linears_but_the_output(module)}
+    head_names = heads(module)
+    chosen -= {id(sub) for name, sub in module.named_modules() if _within(name, head_names)}
     named = [(name, id(sub)) for name, sub in module.named_modules()]
 
     @functools.cache
@@ -108,6 +119,25 @@ def task_type(module: nn.Module) -> str | None:
     return None
 
 
+def heads(module: nn.Module) -> list[str]:
+    """The head(s) of a classifier, trained in full beside the adapters and saved with them (peft's
+    modules_to_save): of a transformers sequence classifier (SEQ_CLS), the modules peft puts there, each module
+    whose name ends with `classifier` or `score`, as peft matches them (`score` of a Llama, `classifier` of a
+    BERT); of the built-in mlp and mini_resnet, their output layer (which `default_targets` leaves out). None of
+    another model: a plug-in names its head with --lora_modules_to_save."""
+    if task_type(module) == "SEQ_CLS":
+        found = [name for name, sub in module.named_modules()
+                 if name.endswith(SEQ_CLS_HEADS) and any(True for _ in sub.parameters())]
+        return [name for name in found if not any(name.startswith(outer + ".") for outer in found)]
+    if type(module).__module__ == "ddptrain.models" and type(module).__name__ in _BUILT_IN_CLASSIFIERS:
+        return [name for name, sub in module.named_modules() if isinstance(sub, nn.Linear)][-1:]
+    return []
+
+
+def _within(name: str, modules: list[str]) -> bool:
+    return any(name == outer or name.startswith(outer + ".") for outer in modules)
+
+
 def base_model_path(model: str) -> str | None:
     """What adapter_config.json names as the base (`base_model_name_or_path`, where AutoPeftModel finds it): an
     `hf:` directory as an absolute path, a hub name as it is; None for a built-in or plug-in model."""
@@ -129,33 +159,54 @@ def lora_config(finetune: FinetuneSettings, model: str, module: nn.Module) -> An
         raise UsageError(f"--lora_rank {finetune.lora_rank}: the model has no linear layer to adapt; name the layers "
                          "with --lora_targets")
     init = {"true": True, "false": False}.get(finetune.lora_init, finetune.lora_init)
+    # A head is named as peft names it in a classifier's adapter_config.json (both of its names).
+    to_save = _names(finetune.lora_modules_to_save)
+    to_save += [name for name in (SEQ_CLS_HEADS if task_type(module) == "SEQ_CLS" else heads(module))
+                if name not in to_save]
     return peft.LoraConfig(r=finetune.lora_rank, lora_alpha=finetune.lora_alpha, lora_dropout=finetune.lora_dropout,
-                           target_modules=targets, modules_to_save=_names(finetune.lora_modules_to_save) or None,
+                           target_modules=targets, modules_to_save=to_save or None,
                            use_rslora=finetune.lora_rslora, use_dora=finetune.lora_dora, init_lora_weights=init,
                            base_model_name_or_path=base_model_path(model), task_type=task_type(module), bias="none")
 
 
 def apply(module: nn.Module, finetune: FinetuneSettings, model: str) -> nn.Module:
     """Freeze every weight of `module` and inject LoRA adapters into the layers `lora_config` names (in place;
-    returns `module`); what trains is what peft marks: the adapters and the copies of --lora_modules_to_save.
-    The adapters' init draws from torch's global RNG: call it right after building the model, under the same
-    seed on every rank, as the model's own init."""
+    returns `module`); what trains is what peft marks, the adapters and the copies of --lora_modules_to_save,
+    and a classifier's `heads`, in place. The adapters' init draws from torch's global RNG: call it right after
+    building the model, under the same seed on every rank, as the model's own init."""
     peft = _peft()
     config = lora_config(finetune, model, module)
     names = [name for name, _ in module.named_modules()]
-    for flag, wanted in (("--lora_targets", [] if config.target_modules == ALL_LINEAR else config.target_modules),
-                         ("--lora_modules_to_save", config.modules_to_save or [])):
+    targets = [] if config.target_modules == ALL_LINEAR else sorted(config.target_modules)
+    to_save = _names(finetune.lora_modules_to_save)
+    for flag, wanted in (("--lora_targets", targets), ("--lora_modules_to_save", to_save)):
         missing = sorted(t for t in wanted if not any(matches(name, t) for name in names))
         if missing:
             raise UsageError(f"{flag}: the model has no layer named {', '.join(missing)}; its linear layers "
                              f"are named {', '.join(default_targets(module)) or 'nothing'}")
-    both = sorted(set(config.modules_to_save or ()) & set(() if config.target_modules == ALL_LINEAR
-                                                          else config.target_modules))
+    both = sorted(set(to_save) & set(targets))
     if both:
         raise UsageError(f"--lora_targets and --lora_modules_to_save both name {', '.join(both)}: a layer is adapted "
                          "or trained in full, not both; drop it from one of them")
-    module = peft.inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
+    head_names = heads(module)
+    # peft adapts nothing inside a module it trains in full; a target that names nothing else adapts nothing.
+    in_head = [t for t in targets if all(_within(name, head_names) for name in names if matches(name, t))]
+    if in_head:
+        raise UsageError(f"--lora_targets {', '.join(in_head)}: names the classifier's head "
+                         f"({', '.join(head_names)}), which trains in full beside the adapters, as peft's "
+                         "modules_to_save of a classifier; drop it from --lora_targets")
+    # The heads train in place: peft wraps only the other modules to save, and adapts no layer of a head.
+    wrapped = [name for name in to_save if not any(matches(head, name) for head in head_names)]
+    written, config.modules_to_save = config.modules_to_save, wrapped or None
+    config.exclude_modules = "|".join(rf"{re.escape(head)}(\..*)?" for head in head_names) or None
+    try:
+        module = peft.inject_adapter_in_model(config, module, adapter_name=ADAPTER_NAME)
+    finally:  # what adapter_config.json says: the heads among the modules to save, as peft writes a classifier's
+        config.modules_to_save, config.exclude_modules = written, None
+    for head in head_names:
+        module.get_submodule(head).requires_grad_(True)  # no value written: a meta build's record is unchanged
     module.lora_config = config  # what save_adapter writes; an attribute of the module travels with it
+    module.lora_heads = head_names  # what trains in place and saved_names adds to peft's layout
     if any(param.is_meta for param in module.parameters()):
         # Built on the meta device (fsdp), each rank replays the recorded in-place init of its shards; peft draws
         # an embedding adapter's first values with torch.randn, which is not in place: the draws after it would
@@ -190,7 +241,9 @@ def saved_names(module: nn.Module) -> dict[str, str]:
     adapter_model.safetensors. peft chooses and names them (`get_peft_model_state_dict`, as
     `PeftModel.save_pretrained`): the adapters (`lora_A`/`lora_B`, an embedding's `lora_embedding_A`/`_B`,
     DoRA's `lora_magnitude_vector`), each --lora_modules_to_save copy under the module's own name, and an
-    adapted embedding layer's base weights. Reads names only: a sharded module's tensors are not gathered."""
+    adapted embedding layer's base weights; and each of the classifier's `heads`, which trains in place,
+    under the keys peft saves a modules_to_save copy under (the module's own names). Reads names only: a
+    sharded module's tensors are not gathered."""
     peft = _peft()
     state = module.state_dict()  # each value its own object (a tie too): the object says which name it was
     names = {id(value): name for name, value in state.items()}
@@ -204,7 +257,9 @@ def saved_names(module: nn.Module) -> dict[str, str]:
             saved = peft.get_peft_model_state_dict(module, state_dict=state, adapter_name=ADAPTER_NAME)
     finally:
         config.base_model_name_or_path = base
-    return {names[id(value)]: SAVED_PREFIX + key for key, value in saved.items()}
+    out = {names[id(value)]: SAVED_PREFIX + key for key, value in saved.items()}
+    out.update({name: SAVED_PREFIX + name for name in state if _within(name, getattr(module, "lora_heads", []))})
+    return out
 
 
 def adapter_state(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
