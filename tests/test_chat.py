@@ -246,6 +246,19 @@ def test_a_tokenizer_retrained_in_the_same_directory_is_refused_on_resume(tokeni
     assert "tokenizer" in line and "files changed" in line and "--accept_config_change" in line
 
 
+def test_the_digest_a_checkpoint_checks_covers_the_chat_template_file(tokenizer_dir, tmp_path):
+    """--chat_template FILE formats the records in the tokenizer's place: an edited file is other token ids, so the
+    digest a checkpoint records (and a resume compares) changes with it; without one it is the tokenizer's."""
+    from ddptrain.models import hf
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHATML)
+    plain, with_file = hf.tokenizer_digest(tokenizer_dir), hf.tokenizer_digest(tokenizer_dir, str(template))
+    template.write_text(CHATML.replace("<|im_end|>", "<|im_end|>\n\n"))
+    assert len({plain, with_file, hf.tokenizer_digest(tokenizer_dir, str(template))}) == 3
+    assert hf.tokenizer_digest(tokenizer_dir, "") == plain
+
+
 def llama_config(directory: Path, vocab: int, positions: int = 128) -> Path:
     transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                              num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=positions

@@ -372,8 +372,9 @@ class RunState:
         changes = setting_changes(loaded.manifest["config"], self.config)
         saved_digest, digest = loaded.trainer.get("tokenizer_digest"), self.parts["trainer"].tokenizer_digest
         if saved_digest and digest and saved_digest != digest:  # the same path, retrained: other token ids
-            changes.append(f"tokenizer {self.config['tokenizer']}: its files changed (sha256 {saved_digest[:12]} -> "
-                           f"{digest[:12]})")
+            template = self.config.get("chat_template")
+            changes.append(f"tokenizer {self.config['tokenizer']}{f' or --chat_template {template}' if template else ''}: "
+                           f"its files changed (sha256 {saved_digest[:12]} -> {digest[:12]})")
         if changes and not checkpoint.accept_config_change:
             raise UsageError(changed_settings_error(loaded.path, changes))
         if changes and ctx.is_main:

@@ -107,8 +107,8 @@ class Trainer:
             self.train_log.on_record = lambda record: self.callbacks.call("on_log", self.run_view, record)
         model = ModelState(module, self.optimizer, self.parallel, ctx, lambda: self.checkpoints.group, cfg.optimizer,
                            cfg.model, cfg.lora_rank)
-        # The tokenizer's files, not only its path: a checkpoint continues only on the token ids it learnt.
-        digest = hf.tokenizer_digest(Path(cfg.tokenizer)) if cfg.tokenizer else None
+        # The tokenizer's files (and --chat_template's), not their paths: a checkpoint continues on the ids it learnt.
+        digest = hf.tokenizer_digest(Path(cfg.tokenizer), cfg.chat_template) if cfg.tokenizer else None
         self.loop_state = LoopState(self.train_log, self.window, self.vote, self.run_view, ctx, digest,
                                     self.sample_log)
         self.state = RunState(self.position, cfg.to_dict(), model, optim, self.loop_state,

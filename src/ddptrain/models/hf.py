@@ -313,12 +313,15 @@ class TextTokenizer:
         return tokenizer_digest(self.directory)
 
 
-def tokenizer_digest(directory: Path) -> str:
-    """sha256 of a tokenizer directory's files: what the tokenized records (and a checkpoint) depend on."""
+def tokenizer_digest(directory: Path, chat_template: str = "") -> str:
+    """sha256 of a tokenizer directory's files, and of the `--chat_template` file that formats the records in
+    its place where one does: what the tokenized records (and a checkpoint) depend on."""
     h = hashlib.sha256()
     for name in TOKENIZER_FILES:
         if (directory / name).is_file():
             h.update(name.encode() + (directory / name).read_bytes())
+    if chat_template and Path(chat_template).is_file():
+        h.update(b"--chat_template" + Path(chat_template).read_bytes())
     return h.hexdigest()
 
 
