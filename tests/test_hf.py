@@ -214,3 +214,28 @@ def test_an_empty_data_file_is_one_line_that_says_so(tmp_path, content):
     (tmp_path / "rows.jsonl").write_text(content)
     with pytest.raises(UsageError, match=r"^--dataset .*rows.jsonl: the file is empty; give it one record per line"):
         hf._read(tmp_path / "rows.jsonl", "--dataset", tmp_path)
+
+
+LEAN_LAUNCHER = """
+import sys
+import ddptrain
+from ddptrain.config import resolve_config
+
+summary = ddptrain.fit(config=resolve_config(sys.argv[1:]), nproc=2)
+print(summary["step"], sorted(m for m in ("datasets", "transformers", "pyarrow") if m in sys.modules))
+"""
+
+
+def test_a_launcher_checks_and_tokenizes_hf_data_in_a_process_of_its_own(records, tokenizer_dir, tmp_path):
+    """The launcher outlives the job beside its workers: the Hugging Face dataset is checked and tokenized in a
+    process forked from the worker server, so the launcher never holds datasets, transformers or the records
+    (measured on a LoRA chat job: launcher 298 -> 208 MiB PSS, 400 -> 270 MiB RSS, as a gpt job's). A cold
+    interpreter runs `fit(nproc=2)`; the workers find the records tokenized."""
+    from helpers import run_python
+
+    args = [*HF_DATA, "--dataset", f"hf:{records}", "--tokenizer", str(tokenizer_dir), "--max_steps", "1",
+            "--run_dir", str(tmp_path / "run"), "--no-progress", "--num_workers", "0", "--eval_every_steps", "0"]
+    proc = run_python(["-c", LEAN_LAUNCHER, *args], fresh=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "1 []", proc.stdout
+    assert "ddptrain: tokenized" in proc.stdout + proc.stderr

@@ -39,7 +39,7 @@ from ddptrain.errors import (
 )
 from ddptrain.observe.log import rank_log_path, setup_logging
 from ddptrain.parallel import netinfo
-from ddptrain.parallel.launch import caller_kept, launch_local, start_worker_server
+from ddptrain.parallel.launch import caller_kept, launch_local, run_aside, start_worker_server
 from ddptrain.parallel.procenv import (
     LOCAL_LAUNCH_ENV,
     exit_code_for,
@@ -48,7 +48,7 @@ from ddptrain.parallel.procenv import (
     record_for_launcher,
 )
 from ddptrain.parts import Parts
-from ddptrain.preflight import check
+from ddptrain.preflight import check, check_hf, uses_hf
 
 __all__ = ["fit", "train_worker", "Parts", "WorkerFailed"]
 
@@ -212,10 +212,10 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
     cfg.settle(given)
     cfg.validate()
     refuse_ignored(cfg, set(overrides))
-    check(cfg)
+    env = read_launch_env()
+    check(cfg, hf_aside=bool(cfg.nproc) and not env.launched)  # (a launcher's: in launch_workers, aside)
     parts = Parts(model, None if train_data is None else (train_data, eval_data), task, collate_fn, optimizer,
                   scheduler, callbacks)
-    env = read_launch_env()
     weights = Path(cfg.run_dir) / "model.safetensors"
     if env.launched or not cfg.nproc:
         summary = train_worker(cfg, parts)  # an nn.Module passed in is the one that trained
@@ -245,6 +245,8 @@ def launch_workers(cfg: TrainConfig, target: Any, args: tuple) -> Any:
     config.toml once; returns the launch's `Outcome`."""
     with caller_kept():  # `fit` runs in the user's process: its environment and signal handlers stay theirs
         start_worker_server(cfg.nproc)  # before this process holds anything: workers start from a clean state
+        if uses_hf(cfg):  # (the caller's `check(cfg, hf_aside=True)` left it)
+            run_aside(check_hf, cfg)
         from ddptrain.checkpoints.format import settle_settings  # torch, imported beside the server's import
 
         with runlock.acquire(runlock.job_dirs(Path(cfg.run_dir), cfg.checkpoint_path)) as lock:

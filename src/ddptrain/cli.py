@@ -70,8 +70,10 @@ def _lazy(module: str, **kwargs):
 
 def cmd_train(argv: list[str]) -> int:
     cfg = resolve_config(argv)
-    check(cfg)  # the dataset's files against the flags, still before any process starts
     env = read_launch_env()
+    # The dataset's files against the flags, still before any process starts (a launcher's Hugging Face model
+    # and data: in a process of their own, launch_workers's).
+    check(cfg, hf_aside=bool(cfg.nproc) and not env.launched)
     if env.launched:
         # nproc / max_restarts configure the local launcher. A config file's values do not apply to a worker,
         # but asking a worker for them on the command line is a mistake worth naming.

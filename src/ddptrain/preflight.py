@@ -24,9 +24,10 @@ from ddptrain.observe.metrics import require_tensorboard
 from ddptrain.observe.trackers import require_tracker
 
 
-def check(cfg: TrainConfig) -> None:
+def check(cfg: TrainConfig, hf_aside: bool = False) -> None:
     """UsageError naming the flag and the fix when the devices, plug-ins, files, packages or checkpoints and the
-    flags disagree."""
+    flags disagree. `hf_aside`: leave a Hugging Face model and dataset (`check_hf`) to the caller, a launcher
+    that checks them in a process of their own."""
     check_devices(cfg)
     for flag, ref in plugin_refs(cfg):
         load_plugin(ref, flag)  # importable, the function there
@@ -39,11 +40,28 @@ def check(cfg: TrainConfig) -> None:
         require_tracker(name, cfg.section("observe"))
     if cfg.tensorboard:
         require_tensorboard()
-    if cfg.model.startswith("hf:"):
-        from ddptrain.models import hf
-
-        hf.check_model(cfg.section("data"))
+    if not hf_aside:
+        check_hf(cfg)
     check_data(cfg)
+
+
+def uses_hf(cfg: TrainConfig) -> bool:
+    return cfg.model.startswith("hf:") or cfg.dataset.startswith("hf:")
+
+
+def check_hf(cfg: TrainConfig) -> None:
+    """A Hugging Face model's directory, and a Hugging Face dataset's flags and records, tokenized once, here,
+    before the workers start (they find them in the cache). What it imports and holds (transformers, datasets,
+    the records) a launcher keeps out of itself: it runs this in a process of its own (`launch.run_aside`)."""
+    if not uses_hf(cfg):
+        return
+    from ddptrain.models import hf
+
+    if cfg.model.startswith("hf:"):
+        hf.check_model(cfg.section("data"))
+    if cfg.dataset.startswith("hf:"):
+        hf.check_dataset(cfg.section("data"))
+        hf.prepare(cfg.section("data"), Path(cfg.run_dir))
 
 
 def check_devices(cfg: TrainConfig) -> None:
@@ -69,12 +87,8 @@ def check_devices(cfg: TrainConfig) -> None:
 def check_data(cfg: TrainConfig) -> None:
     """UsageError naming the flag and the fix when a built-in dataset and the flags disagree."""
     if cfg.dataset.startswith("hf:"):
-        from ddptrain.models import hf
-
-        hf.check_dataset(cfg.section("data"))
-        # tokenized once, here, before the workers start (they find it in the cache)
-        hf.prepare(cfg.section("data"), Path(cfg.run_dir))
-    elif cfg.dataset in TEXT_DATASETS:
+        return  # check_hf's
+    if cfg.dataset in TEXT_DATASETS:
         from ddptrain.data import text  # imports torch and numpy: only when the dataset is asked for
 
         text.check(cfg.section("data"))

@@ -31,6 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import forkserver
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -90,6 +91,21 @@ def start_worker_server(nproc: int) -> None:
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
     forkserver.ensure_running()
+
+
+def run_aside(target: Callable[..., Any], *args: Any) -> Any:
+    """`target(*args)` in a process forked from the worker server (`start_worker_server` first): torch is
+    imported there already, and what `target` imports and holds (transformers, datasets, a tokenized set) leaves
+    with that process rather than stay in this one, which outlives the job. Its exception is raised here."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver")) as pool:
+        return pool.submit(_aside, target, args).result()
+
+
+def _aside(target: Callable[..., Any], args: tuple) -> Any:
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):  # the job's signals end it, as they end a worker
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return target(*args)
 
 
 def _worker(target: Callable[..., Any], args: tuple, environ: dict[str, str]) -> Any:
