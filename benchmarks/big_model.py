@@ -18,11 +18,10 @@ against the measured one, rank by rank; the target is within 10 %.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, BenchError, Plan, Row, bench_env, run_logged
+from benchmarks.common import REPO, BenchError, Plan, Row, bench_env, ranks_cmd, run_logged
 
 TARGET = 1.0
 PLAN_TOLERANCE = 0.10
@@ -62,9 +61,8 @@ def peaks(work: Path, name: str, model_dir: Path, nproc: int, tokens: Path, extr
     """Each rank's peak RSS in MiB over a 2-step fsdp run of `model_dir` (with flags `extra`), final save included."""
     out = work / f"{name}-rss"
     out.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            str(REPO / "benchmarks" / "peak_rss.py"), str(out), "train", *train_flags(model_dir, tokens, extra),
-            "--run_dir", str(work / name)]
+    argv = [*ranks_cmd(nproc, REPO / "benchmarks" / "peak_rss.py"), str(out), "train",
+            *train_flags(model_dir, tokens, extra), "--run_dir", str(work / name)]
     run_logged(argv, work / f"{name}.log", bench_env(threads=1), timeout_s=900)
     found = [json.loads((out / f"rank-{rank}.json").read_text())["peak_rss_mb"] for rank in range(nproc)]
     if len(found) != nproc:

@@ -22,10 +22,19 @@ class BenchError(RuntimeError):
     """A benchmark could not run (a worker failed): the message carries the tail of its log."""
 
 
+def python() -> str:
+    """The interpreter every launch of the harness runs: `PYTHON_EXEC` where set (torchrun's own override of its
+    workers' interpreter, so a launch and the workers torchrun starts agree; tests/test_bench.py points it at a
+    warm start of the test session's), else this one."""
+    return os.environ.get("PYTHON_EXEC") or sys.executable
+
+
 def bench_env(threads: int | None = None) -> dict[str, str]:
-    """The environment of launched workers: no inherited launcher variables, the repo importable."""
+    """The environment of launched workers: no inherited launcher variables, the repo importable (PYTHONPATH
+    unchanged where it has both already, so that a launch's environment is its parent's)."""
     env = fresh_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")]))
+    paths = [str(REPO / "src"), str(REPO), *env.get("PYTHONPATH", "").split(os.pathsep)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, paths)))
     env["PYTHONUNBUFFERED"] = "1"
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -52,8 +61,16 @@ def run_logged(cmd: list[str], log: Path, env: dict[str, str], timeout_s: float)
 
 
 def torchrun_cmd(nproc: int, module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    return [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "-m", module, *args]
+
+
+def ranks_cmd(nproc: int, script: Path) -> list[str]:
+    """`python SCRIPT` on `nproc` processes, under torchrun; a single process is started alone (`ddptrain train`
+    in it makes its own group of one: torchrun's agent would add a process and its start, nothing else)."""
+    if nproc == 1:
+        return [python(), str(script)]
+    return [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(script)]
 
 
 @dataclass
@@ -82,7 +99,8 @@ def run_launch(launch: Launch, work: Path) -> list[dict[str, Any]]:
 
 def run_launches(launches: list[Launch], work: Path, grouped: bool) -> dict[str, list[dict[str, Any]]]:
     """Results by launch tag. `grouped`: launches of the same (nproc, threads) share one launch, in order —
-    much faster (tests), but later jobs then run in processes that earlier jobs warmed up."""
+    much faster (tests), but later jobs then run in processes that earlier jobs warmed up (and whose objects,
+    the modules they imported, are frozen out of the later jobs' garbage collections)."""
     if not grouped:
         return {launch.tag: run_launch(launch, work) for launch in launches}
     results: dict[str, list[dict[str, Any]]] = {}
@@ -90,8 +108,8 @@ def run_launches(launches: list[Launch], work: Path, grouped: bool) -> dict[str,
     for launch in launches:
         groups.setdefault(launch.group, []).append(launch)
     for (nproc, threads), members in groups.items():
-        merged = Launch(f"grouped-{nproc}x{threads}", nproc, [job for m in members for job in m.jobs], threads,
-                        sum(m.timeout_s for m in members))
+        jobs = [{**job, "freeze": True} for m in members for job in m.jobs]
+        merged = Launch(f"grouped-{nproc}x{threads}", nproc, jobs, threads, sum(m.timeout_s for m in members))
         outputs = iter(run_launch(merged, work))
         for m in members:
             results[m.tag] = [next(outputs) for _ in m.jobs]

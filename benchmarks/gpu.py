@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import socket
 import sys
 import tempfile
@@ -45,6 +46,7 @@ from benchmarks.common import (
     load_average,
     median,
     paired_ratios,
+    python,
     render_table,
     run_launch,
     run_logged,
@@ -166,7 +168,7 @@ def hot_path_row(name: str, work: Path, timeout_s: float) -> Row:
     """tests/test_hot_path.py's GPU test, and --packing's loss on CUDA's sdpa (tests/test_packing.py), in a
     subprocess: they must run (not skip) and pass."""
     log = work / "hot_path.log"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+    cmd = [python(), "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
            "tests/test_hot_path.py::test_no_cuda_sync_in_non_log_steps",
            "tests/test_packing.py::test_on_cuda_packed_and_padded_agree_for_each_attention_kernel[sdpa]"]
     try:
@@ -188,7 +190,7 @@ def data_parallel_cmds(gpus: int, out_dp: Path, out_ddp: Path, dry: bool) -> tup
             "3", "--num_workers", "1"] if dry else ["--width", "64", "--image_size", "32", "--batch_size", "256",
                                                      "--dataset_size", "200000", "--timed_steps", "50",
                                                      "--num_workers", "6", "--use_amp"]
-    dp = [sys.executable, "-m", "benchmarks.raw_loop", "--out", str(out_dp), "--data_parallel", *size]
+    dp = [python(), "-m", "benchmarks.raw_loop", "--out", str(out_dp), "--data_parallel", *size]
     ddp = torchrun_cmd(gpus, "benchmarks.raw_loop", "--out", str(out_ddp), *size)
     return dp, ddp
 
@@ -304,8 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     print(record["table"])
     if skipped:
         print(f"\nskipped for time: {', '.join(skipped)}")
-    print(f"\nJSON: {out}" + (f" · section added to {results}" if results else "") + f" · scratch: {work}")
-    return 1 if any(r.figure == "ERROR" for r in rows) else 0
+    failed = any(r.figure == "ERROR" for r in rows)
+    if dry and not failed:  # nothing in it to look at
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\nJSON: {out}" + (f" · section added to {results}" if results else "")
+          + ("" if dry and not failed else f" · scratch: {work}"))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

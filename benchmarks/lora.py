@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.big_model import write_llama
-from benchmarks.common import REPO, Plan, Row, bench_env, run_logged
+from benchmarks.common import REPO, Plan, Row, bench_env, ranks_cmd, run_logged
 
 SIZES = {  # (LlamaConfig arguments, steps, processes)
     "full": (dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
@@ -38,8 +37,7 @@ def run(work: Path, name: str, model_dir: Path, tokens: Path, steps: int, nproc:
     out = work / f"{name}-rss"
     out.mkdir(parents=True, exist_ok=True)
     run_dir = work / name
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            str(REPO / "benchmarks" / "peak_rss.py"), str(out), "train", "--model", f"hf:{model_dir}",
+    argv = [*ranks_cmd(nproc, REPO / "benchmarks" / "peak_rss.py"), str(out), "train", "--model", f"hf:{model_dir}",
             "--task", "language_model", "--dataset", "tokens", "--data_dir", str(tokens), "--seq_len", str(SEQ_LEN),
             "--batch_size", str(BATCH), "--max_steps", str(steps), "--optimizer", "adamw", "--lr", "1e-4",
             "--log_interval", "1", "--num_workers", "0", "--save_every", "0", "--no-progress", "--no-auto_resume",

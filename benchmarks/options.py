@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Launch, Plan, Row, median, paired_ratios, quartiles
-from benchmarks.sections import BENCH_NET, MID_MLP, lm_flags, net
+from benchmarks.sections import BENCH_NET, MID_MLP, lm_flags, net, settle
 
 # (label, flags added to B, network): DDP settings on the MLP (19 MB of gradients: buckets matter), the rest
 # on MiniResNet.
@@ -40,7 +40,6 @@ CAVEATS = {"--channels_last": " On CPU, oneDNN's AVX2 backward of 1x1 stride-2 c
 def options(size: str, work: Path, with_compile: bool = False) -> Plan:
     """Each option vs the defaults; `--compile` only when asked (compiling takes minutes on 2 cores)."""
     block, blocks, warmup = {"full": (10, 7, 1), "quick": (10, 4, 1), "tiny": (2, 2, 1)}[size]
-    tiny = size == "tiny"
     import torch  # (the parent of the benchmark launches does not import torch otherwise)
 
     # --channels_last is refused on CPU (oneDNN#6035, see CAVEATS): benchmarks/gpu.sh measures it on CUDA.
@@ -54,7 +53,7 @@ def options(size: str, work: Path, with_compile: bool = False) -> Plan:
     for i, (label, flags, kind) in enumerate(chosen):
         common = [*nets[kind], "--no-progress", "--no-auto_resume", "--save_every", "0"]
         jobs.append({"name": label, "mode": "pair", "block_steps": block, "blocks": blocks + warmup,
-                     "settle_s": 0.02 if tiny else 0.1,
+                     "settle_s": settle(size),
                      "argv": [*common, "--run_dir", str(work / f"option-{i}-a")],
                      "argv_b": [*common, *flags, "--run_dir", str(work / f"option-{i}-b")]})
 

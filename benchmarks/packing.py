@@ -15,12 +15,11 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 from benchmarks.big_model import write_llama
-from benchmarks.common import Plan, Row, bench_env, run_logged
+from benchmarks.common import Plan, Row, bench_env, python, run_logged
 
 SIZES = {  # (records, Llama arguments, processes: 0 trains in the command's own process)
     "full": (2000, dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4), 2),
@@ -73,7 +72,7 @@ def epoch(work: Path, name: str, model_dir: Path, data: Path, tokenizer: Path, n
     """One epoch of the records: the median tokens per second after the first train line, the median padding
     share, the steps."""
     run_dir = work / name
-    argv = [sys.executable, "-m", "ddptrain", "train", "--model", f"hf:{model_dir}", "--task", "language_model",
+    argv = [python(), "-m", "ddptrain", "train", "--model", f"hf:{model_dir}", "--task", "language_model",
             "--dataset", f"hf:{data}", "--tokenizer", str(tokenizer), "--seq_len", str(SEQ_LEN), "--batch_size",
             str(BATCH), "--epochs", "1", "--optimizer", "adamw", "--lr", "1e-3", "--log_interval", "1",
             "--eval_size", "0", "--num_workers", "0", "--save_every", "0", "--no-progress", "--no-auto_resume",

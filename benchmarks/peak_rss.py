@@ -1,6 +1,8 @@
-"""`ddptrain ARGS` in this process (a torchrun worker), its peak resident set size written at exit.
+"""`ddptrain ARGS` in this process (a torchrun worker, or a process alone), its peak resident set size written at
+exit.
 
     python -m torch.distributed.run ... benchmarks/peak_rss.py OUT_DIR train [flags]
+    python benchmarks/peak_rss.py OUT_DIR train [flags]
 
 Writes OUT_DIR/rank-<RANK>.json: {"peak_rss_mb": ...} (ru_maxrss: the most this process ever held).
 """

@@ -9,7 +9,6 @@ Every figure is a ratio of two things measured in the same run. Where both sides
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from benchmarks.common import (
     fmt_ms,
     median,
     paired_ratios,
+    python,
     quartiles,
     run_logged,
     torchrun_cmd,
@@ -36,22 +36,23 @@ from ddptrain.tools.doctor import bus_bandwidth
 # The quickstart's network (MiniResNet, width 16, 16x16 images): a real conv net with BatchNorm that steps
 # in tens of ms on one CPU core. Synthetic data large enough that no epoch ends while measuring. (Tiny: width 8,
 # because oneDNN's AVX2 kernel for 1x1 stride-2 convs with < 8 input channels in channels_last corrupts memory,
-# uxlfoundation/oneDNN#6035, and the options benchmark runs channels_last.)
+# uxlfoundation/oneDNN#6035, and the options benchmark runs channels_last. The tiny nets read through one loader
+# worker per rank: the loader workers' path, without starting the default's 4 per rank and per loader.)
 BENCH_NET = {"full": ["--model", "mini_resnet", "--width", "16", "--image_size", "16", "--batch_size", "32",
                       "--dataset_size", "200000", "--eval_size", "64"],
              "tiny": ["--model", "mini_resnet", "--width", "8", "--image_size", "8", "--batch_size", "8",
-                      "--dataset_size", "4096", "--eval_size", "16"]}
+                      "--dataset_size", "4096", "--eval_size", "16", "--num_workers", "1"]}
 # Communication-heavy: a 5-hidden-layer MLP of 28.3M parameters (113 MB of gradients in several DDP buckets;
 # 227 MB of weights + SGD momentum in a checkpoint) for accumulation and the checkpoint stall; the built-in
 # MLP at 4.7M parameters (19 MB of gradients) for scaling and the DDP options.
 BIG_NET = {"full": ["--model", "benchmarks.workloads:deep_mlp", "--width", "2304", "--image_size", "32",
                     "--batch_size", "16", "--dataset_size", "100000", "--eval_size", "16"],
            "tiny": ["--model", "benchmarks.workloads:deep_mlp", "--width", "32", "--image_size", "8",
-                    "--batch_size", "8", "--dataset_size", "4096", "--eval_size", "16"]}
+                    "--batch_size", "8", "--dataset_size", "4096", "--eval_size", "16", "--num_workers", "1"]}
 MID_MLP = {"full": ["--model", "mlp", "--width", "1536", "--image_size", "32", "--batch_size", "32",
                     "--dataset_size", "100000", "--eval_size", "16"],
            "tiny": ["--model", "mlp", "--width", "64", "--image_size", "8", "--batch_size", "8",
-                    "--dataset_size", "4096", "--eval_size", "16"]}
+                    "--dataset_size", "4096", "--eval_size", "16", "--num_workers", "1"]}
 # "Every observability feature": metrics (with straggler statistics and MFU) at the default --log_interval,
 # TensorBoard, the per-micro-step sample-id log, plus what is always on (watchdog and heartbeat, rank logs).
 # Not the profiler (a bounded window of steps, not a steady state) nor the progress bar (drawn only on a
@@ -160,8 +161,9 @@ def cpu_note(cpu: dict[str, dict[str, float]]) -> str:
             f"{ours['training thread wait']:.2f} vs {theirs['training thread wait']:.2f}.")
 
 
-def _settle(size: str) -> float:
-    return 0.02 if size == "tiny" else 0.1
+def settle(size: str) -> float:
+    """Seconds of quiet before each timed block (the other side's threads wind down); none at toy size."""
+    return 0.0 if size == "tiny" else 0.1
 
 
 # --- overhead ------------------------------------------------------------------------------------
@@ -254,7 +256,7 @@ def interleaved(size: str, cases: list[tuple[str, str, list[str], float]], work:
     block, rounds, warmup = {"full": (block_steps, 32, 1), "quick": (block_steps, 6, 1), "tiny": (2, 2, 1)}[size]
     blocks = rounds + warmup
     launches = [Launch(key, 2, [{"name": key, "mode": "interleave", "block_steps": block, "blocks": blocks,
-                                 "settle_s": _settle(size),
+                                 "settle_s": settle(size),
                                  "argv": [*flags, *common_flags(work, key), "--max_steps", str(blocks * block + 1)]}])
                 for key, _, flags, _ in cases]
 
@@ -316,7 +318,7 @@ def accumulation(size: str, work: Path) -> Plan:
     block, rounds, warmup = {"full": (2, 6, 1), "quick": (2, 3, 1), "tiny": (1, 2, 1)}[size]
     accum, blocks = 4, rounds + warmup
     job = {"name": "accumulation", "mode": "accumulate", "block_steps": block, "blocks": blocks,
-           "settle_s": _settle(size),
+           "settle_s": settle(size),
            "argv": [*net(BIG_NET, size), *common_flags(work, "accumulation"), "--grad_accum_steps", str(accum),
                     "--max_steps", str(blocks * block + 1)]}
 
@@ -417,11 +419,14 @@ def data(size: str, work: Path) -> Plan:
     conv = net(BENCH_NET, size)
     flag = lambda name: conv[conv.index(name) + 1]  # noqa: E731
     steps = ["--log_interval", str(interval), "--max_steps", str(interval * (windows + 1))]
+    loader = ["--num_workers", flag("--num_workers")] if "--num_workers" in conv else []  # the tiny net's
     cases = [("data_synthetic", "synthetic", [*conv, *common_flags(work, "data_synthetic"), *steps]),
              ("data_cifar", "CIFAR-10 files", ["--model", "mini_resnet", "--width", flag("--width"), "--dataset",
                                                "cifar10", "--data_dir", str(cifar), "--batch_size",
-                                               flag("--batch_size"), *common_flags(work, "data_cifar"), *steps])]
-    jobs = [{"name": key, "mode": "timeline", "handoff_probe": True, "argv": argv} for key, _, argv in cases]
+                                               flag("--batch_size"), *loader, *common_flags(work, "data_cifar"),
+                                               *steps])]
+    handoff = {"handoff_fetches": 2, "handoff_wait_s": 0.05} if size == "tiny" else {}  # toy batches: made at once
+    jobs = [{"name": key, "mode": "timeline", "handoff_probe": True, **handoff, "argv": argv} for key, _, argv in cases]
 
     def finish(results: dict[str, list[dict[str, Any]]]) -> list[Row]:
         rows = []
@@ -459,7 +464,7 @@ def launch_pair(work: Path, name: str, ddptrain_argv: list[str], raw_argv: list[
     Returns when each launch started (unix time) and the script's JSON."""
     env = bench_env(threads=1)
     ours_started = time.time()
-    run_logged([sys.executable, "-m", "ddptrain", "train", "--nproc", "2", *ddptrain_argv, *common_flags(work, name)],
+    run_logged([python(), "-m", "ddptrain", "train", "--nproc", "2", *ddptrain_argv, *common_flags(work, name)],
                work / f"{name}-ddptrain.log", env, timeout_s)
     out = work / f"{name}-raw.json"
     raw_started = time.time()
@@ -622,15 +627,15 @@ def sharding(size: str, work: Path) -> Plan:
              "--grad_accum_steps", str(ACCUM_STEPS), "--max_steps", str(accum_blocks * accum_block + 1)]
     launches = [
         Launch("overhead_fsdp", 2, [{"name": "overhead_fsdp", "mode": "interleave", "block_steps": block,
-                                     "blocks": blocks, "settle_s": _settle(size),
+                                     "blocks": blocks, "settle_s": settle(size),
                                      "argv": [*mlp, "--strategy", "fsdp", *common_flags(work, "overhead_fsdp"),
                                               *steps]}]),
         Launch("fsdp_vs_ddp", 2, [{"name": "fsdp_vs_ddp", "mode": "pair", "block_steps": block, "blocks": blocks,
-                                   "settle_s": _settle(size),
+                                   "settle_s": settle(size),
                                    "argv": [*mlp, "--strategy", "fsdp", *common_flags(work, "pair_fsdp"), *steps],
                                    "argv_b": [*mlp, *common_flags(work, "pair_ddp"), *steps]}]),
         Launch("fsdp_accumulation", 2, [{"name": "fsdp_accumulation", "mode": "pair", "block_steps": accum_block,
-                                         "blocks": accum_blocks, "settle_s": _settle(size),
+                                         "blocks": accum_blocks, "settle_s": settle(size),
                                          "argv": [*accum, *common_flags(work, "accum_last")],
                                          "argv_b": [*accum, "--fsdp_reduce_every_micro_step",
                                                     *common_flags(work, "accum_every")]}]),
@@ -713,7 +718,7 @@ def recompute(size: str, work: Path) -> Plan:
     block, blocks = {"full": (5, 9), "quick": (5, 5), "tiny": (2, 2)}[size]
     flags = [*lm_flags(size, work), "--max_steps", str(blocks * block + 2)]
     launches = [Launch("recompute", 2, [{"name": "recompute", "mode": "pair", "block_steps": block,
-                                         "blocks": blocks, "settle_s": _settle(size), "activations": True,
+                                         "blocks": blocks, "settle_s": settle(size), "activations": True,
                                          "argv": [*flags, *common_flags(work, "keep")],
                                          "argv_b": [*flags, "--activation_checkpointing",
                                                     *common_flags(work, "recompute")]}])]

@@ -17,6 +17,9 @@ JOBS.json is a list of jobs, run one after another in the same process group; ea
 * pair        — two Trainers (`argv` and `argv_b`, e.g. an option on and off) in the same processes,
                 alternating blocks of `Trainer.train_step` (options.py).
 
+A job with "freeze": true (the grouped launches of common.run_launches) leaves what survives it, such as the
+modules it imported, out of the later jobs' garbage collections.
+
 Rank 0 writes a list of results to OUT.json.
 """
 
@@ -176,13 +179,13 @@ def phase_clock(trainer: Trainer, raw: RawLoop) -> PhaseClock:
     return clock
 
 
-def handoff_seconds(loader: Any, fetches: int = 6) -> float:
+def handoff_seconds(loader: Any, fetches: int = 6, wait_s: float = 0.3) -> float:
     """Median seconds `next()` takes when the workers are ahead: the cost of receiving a ready batch."""
     batches = iter(loader)
     next(batches)
     times = []
     for _ in range(fetches):
-        time.sleep(0.3)  # the workers refill the prefetch queue
+        time.sleep(wait_s)  # the workers refill the prefetch queue
         started = time.perf_counter()
         next(batches)
         times.append(time.perf_counter() - started)
@@ -255,7 +258,8 @@ def run_job(job: dict[str, Any], ctx: DistributedContext) -> dict[str, Any]:
         if comm_timer is not None:
             result["comm"] = comm_timer.per_step(callback.times)
         if job.get("handoff_probe"):
-            result["handoff_s"] = handoff_seconds(trainer.data.train)
+            result["handoff_s"] = handoff_seconds(trainer.data.train, job.get("handoff_fetches", 6),
+                                                  job.get("handoff_wait_s", 0.3))
     result["calls_s"] = {name: {"count": len(times), "median_s": statistics.median(times) if times else 0.0,
                                 "total_s": sum(times)} for name, times in spent.items()}
     for side, counter in counters.items():
@@ -282,8 +286,18 @@ def main(argv: list[str]) -> None:
     jobs = json.loads(Path(argv[0]).read_text())
     out = Path(argv[1])
     first = resolve_config(jobs[0]["argv"])
+    if any(resolve_config(job["argv"]).num_workers > 0 for job in jobs):
+        from ddptrain.data.pipeline import worker_context
+
+        # The loaders' forkserver, started before the process group's threads exist, as `ddptrain train`'s
+        # workers start it (api.train_worker): where torch is imported already it can be a fork of this process.
+        worker_context()
     with distributed(first.backend, first.init_timeout_s, out.parent) as ctx:
-        results = [run_job(job, ctx) for job in jobs]
+        results = []
+        for job in jobs:
+            results.append(run_job(job, ctx))
+            if job.get("freeze"):  # (collected already) what it left, e.g. MLflow's modules, out of later collections
+                gc.freeze()
         if ctx.is_main:
             out.write_text(json.dumps(results))
 

@@ -6,17 +6,20 @@ numbers come from `make bench` (benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, WARM_STARTS, cli_env
+from zygote import Zygote
 
 from benchmarks.common import Row, paired_ratios, render_table
 from benchmarks.probe import CpuAccount, Interleave, PhaseClock, StepProbe
@@ -26,12 +29,44 @@ SECTION_KEYS = {"overhead", "overhead_observed", "overhead_tracked", "overhead_s
                 "big_model", "big_model_lora", "big_model_plan", "big_model_lora_plan", "lora", "lora_memory", "packing"}
 
 
+# What the harness's Llama launches (big_model, lora, packing) import besides torch: ~1.5 s of CPU each. Not MLflow
+# (the tracked overhead row's): its import starts a native thread, which a process that forks must not have.
+LLAMA_IMPORTS = ("transformers", "transformers.models.llama.modeling_llama", "transformers.tokenization_utils_fast")
+
+
+@contextlib.contextmanager
+def harness_python(directory: Path, preload: tuple[str, ...] = ()):
+    """`run(ARGS, timeout)`: `python ARGS` in the harness's environment, as subprocess.run(..., capture_output=True,
+    text=True) runs it; it and every launch the harness makes from it (benchmarks.common.python: `PYTHON_EXEC`,
+    which torchrun's workers also start with) are forks of a zygote (tests/zygote.py) started with that
+    environment and `preload`: real processes, none paying torch's import. Fresh interpreters under
+    DDPTRAIN_TEST_COLD=1."""
+    env = cli_env({"PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), str(REPO / "tests")])})
+    if not WARM_STARTS:
+        yield lambda args, timeout: subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                                                   env=env, cwd=REPO, timeout=timeout)
+        return
+    shim = directory / "python"
+    env["PYTHON_EXEC"] = str(shim)  # in the zygote's environment too: it refuses launches whose PYTHON* differ
+    warm = Zygote(env, REPO, preload)
+    # torchrun starts `PYTHON_EXEC -u ...`: unbuffered is PYTHONUNBUFFERED=1 already, and the zygote takes
+    # `-m MODULE`, `-c CODE` or a script.
+    shim.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\n"
+                    "if sys.argv[1:2] == ['-u']:\n    del sys.argv[1]\n"
+                    f"import zygote\nzygote.forward({warm.address!r}, [])\n")
+    shim.chmod(0o755)
+    try:
+        yield lambda args, timeout: warm.run(args, env=env, cwd=REPO, timeout=timeout)
+    finally:
+        warm.close()
+
+
 @pytest.fixture(scope="module")
 def tiny_bench(tmp_path_factory) -> tuple[dict, str]:
     work = tmp_path_factory.mktemp("bench")
     out = work / "result.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--tiny", "--out", str(out), "--work",
-                           str(work / "scratch")], capture_output=True, text=True, cwd=REPO, timeout=1200)
+    with harness_python(work, LLAMA_IMPORTS) as run:
+        proc = run(["-m", "benchmarks.run", "--tiny", "--out", str(out), "--work", str(work / "scratch")], 1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text()), proc.stdout
 
@@ -40,7 +75,7 @@ def rows_by_key(record: dict) -> dict[str, dict]:
     return {row["key"]: row for row in record["rows"]}
 
 
-@pytest.mark.slow  # the harness at toy size: ~210 s alone (560 s in the suite), most of it in the fixture
+@pytest.mark.slow  # the harness at toy size: ~40 s alone on 2 cores (150 s in fresh interpreters), most in the fixture
 def test_every_section_reports_a_row_with_a_verdict(tiny_bench):
     record, stdout = tiny_bench
     rows = rows_by_key(record)

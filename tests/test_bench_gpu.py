@@ -4,14 +4,11 @@ MFU and throughput arithmetic of a row, and the JSON and RESULTS section it writ
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO
+from test_bench import harness_python
 
 from benchmarks import gpu
 
@@ -95,9 +92,8 @@ def test_dry_run_writes_json_and_section(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine runs the real script")
     out, results = tmp_path / "gpu.json", tmp_path / "RESULTS.md"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--cpu_dry_run", "--out", str(out), "--results",
-                           str(results)], capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])})
+    with harness_python(tmp_path) as run:  # its launches are warm starts too
+        proc = run(["-m", "benchmarks.gpu", "--cpu_dry_run", "--out", str(out), "--results", str(results)], 300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     record = json.loads(out.read_text())
     assert [r["key"] for r in record["rows"]] == [s.name for s in gpu.specs(2, dry=True)[:3]] + ["data_parallel"]

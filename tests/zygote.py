@@ -268,12 +268,13 @@ def _exit_status(run) -> int:
 class Zygote:
     """One per test session, started on first use."""
 
-    def __init__(self, env: dict[str, str], cwd: Path):
+    def __init__(self, env: dict[str, str], cwd: Path, preload: tuple[str, ...] = ()):
+        """`preload`: modules imported beside PRELOAD's, for launches that all import them (the bench's Llamas)."""
         self._dir = tempfile.mkdtemp(prefix="ddptrain-zygote-")
         self.address = os.path.join(self._dir, "socket")
         self.env = dict(env)
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", f"import zygote; zygote.serve({self.address!r})"],
+            [sys.executable, "-c", f"import zygote; zygote.PRELOAD += {preload!r}; zygote.serve({self.address!r})"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env, cwd=cwd)
         line = self.proc.stdout.readline()
         if line.strip() != b"ready":
