@@ -70,6 +70,114 @@ def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: floa
     return run_python(["-m", "ddptrain", *args], env=env, timeout=timeout, cwd=cwd, fresh=fresh)
 
 
+class _WouldTrain(AssertionError):
+    """cli_in_process reached a training, here or in worker processes."""
+
+
+# What a fresh interpreter's warnings filters are (no -W, no -X dev): pytest's own would hide what it prints.
+_DEFAULT_WARNING_FILTERS = [("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, ""),
+                            ("ignore", PendingDeprecationWarning, ""), ("ignore", ImportWarning, ""),
+                            ("ignore", ResourceWarning, "")]
+
+
+def cli_in_process(args: list[str], *, env: dict[str, str] | None = None,
+                   cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`ddptrain ARGS` through the CLI's own `main`, in this process: for a command that ends before any training
+    process would start (a usage error, `plan`, `report`, `export`, `prepare-text`), without a process. Returns what
+    `run_cli` returns (exit code, stdout, stderr), so `one_line_error` reads it the same way.
+
+    The call sees what run_cli's child would: the environment cli_env(env) (launcher and job variables gone),
+    `cwd` (default the repo) first on sys.path as `python -m` puts it and env's PYTHONPATH after it, sys.argv,
+    Python's default warning filters and no logging handler (a warning or log record lands on the captured
+    stderr, as an interpreter prints it), and an uncaught exception is its traceback on stderr and exit 1, a
+    SystemExit its code. All of it is restored after, with signal handlers, torch's and `random`'s RNG, and the
+    modules imported from the paths it added (a test's plug-ins). Reaching the training (`train` with a valid
+    config) raises AssertionError: that test needs run_cli. Not honoured here: variables read at an import or
+    an interpreter's start that happened before (HF_HUB_OFFLINE, torch's logging, thread counts): use run_cli.
+    """
+    import contextlib
+    import importlib
+    import io
+    import logging
+    import random
+    import signal
+    import traceback
+    import warnings
+
+    from ddptrain import cli
+
+    def refuse(*_args, **_kwargs):
+        raise _WouldTrain(f"`ddptrain {' '.join(args)}` went on to train: test it with run_cli")
+
+    saved_environ, saved_argv, saved_path, saved_cwd = dict(os.environ), sys.argv, list(sys.path), os.getcwd()
+    saved_modules = set(sys.modules)
+    saved_signals = {sig: signal.getsignal(sig) for sig in signal.valid_signals()}
+    root, ours = logging.getLogger(), logging.getLogger("ddptrain")
+    saved_logging = (root.handlers[:], ours.handlers[:], ours.propagate, ours.level)
+    saved_rng = (torch.get_rng_state(), random.getstate())
+    saved_starts = {name: getattr(cli, name) for name in ("run_worker", "launch_workers", "start_worker_server")}
+    work_dir = Path(cwd or REPO)
+    child_env = cli_env(env)
+    # The paths `python -m` and PYTHONPATH would add that this process lacks (never the checkout's own).
+    added = [str(work_dir), *(env or {}).get("PYTHONPATH", "").split(os.pathsep)]
+    added = [path for path in dict.fromkeys(added)
+             if path and path not in sys.path and not Path(path).resolve().is_relative_to(REPO)]
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        os.environ.clear()
+        os.environ.update(child_env)
+        os.chdir(work_dir)
+        sys.argv = [str(Path(cli.__file__).with_name("__main__.py")), *args]
+        sys.path[:0] = added
+        importlib.invalidate_caches()
+        root.handlers[:], ours.handlers[:] = [], []
+        ours.propagate = True
+        ours.setLevel(logging.NOTSET)
+        for name in saved_starts:
+            setattr(cli, name, refuse)
+        with (warnings.catch_warnings(record=True) as shown, contextlib.redirect_stdout(out),
+              contextlib.redirect_stderr(err)):
+            warnings.resetwarnings()
+            for action, category, module in reversed(_DEFAULT_WARNING_FILTERS):
+                warnings.filterwarnings(action, category=category, module=module)
+            try:
+                code = cli.main(list(args))
+            except _WouldTrain:
+                raise
+            except SystemExit as exc:  # as the interpreter ends on it
+                code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+                if not isinstance(exc.code, int | None):
+                    print(exc.code, file=sys.stderr)
+            except Exception:
+                traceback.print_exc()
+                code = 1
+        for warning in shown:
+            err.write(warnings.formatwarning(warning.message, warning.category, warning.filename, warning.lineno,
+                                             warning.line))
+    finally:
+        for name, function in saved_starts.items():
+            setattr(cli, name, function)
+        root.handlers[:], ours.handlers[:] = saved_logging[:2]
+        ours.propagate = saved_logging[2]
+        ours.setLevel(saved_logging[3])
+        torch.set_rng_state(saved_rng[0])
+        random.setstate(saved_rng[1])
+        for sig, handler in saved_signals.items():
+            if handler is not None and signal.getsignal(sig) != handler:
+                signal.signal(sig, handler)
+        for name in set(sys.modules) - saved_modules:
+            where = getattr(sys.modules[name], "__file__", None) or ""
+            if any(where.startswith(path + os.sep) for path in added):
+                del sys.modules[name]
+        sys.path[:] = saved_path
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        if dict(os.environ) != saved_environ:
+            os.environ.clear()
+            os.environ.update(saved_environ)
+    return subprocess.CompletedProcess(["ddptrain", *args], code, out.getvalue(), err.getvalue())
+
+
 def start_cli(args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None):
     """`python -m ddptrain ARGS` in the background, in a session of its own (a test signals it, or its whole
     group), output to pipes read by `communicate`: forked from the session's zygote as `run_python` is, else a

@@ -13,6 +13,7 @@ from helpers import (
     assert_bitwise_equal,
     assert_restarted,
     checkpoint_weights,
+    cli_in_process,
     last_committed,
     metrics,
     one_line_error,
@@ -173,11 +174,16 @@ def test_max_time_saves_and_exits_75_and_the_rerun_ends_as_an_uninterrupted_run(
     assert_bitwise_equal(weights(run / "model.safetensors"), weights(ref / "model.safetensors"))
 
 
-def test_a_metric_the_eval_lacks_and_a_callback_that_does_not_import_are_one_line_errors(tmp_path):
+def test_a_metric_the_eval_lacks_is_a_one_line_error(tmp_path):
+    # The eval's metrics are known to the training process, which builds the task: a process of its own.
     line = one_line_error(run_cli(["train", *TINY, "--run_dir", str(tmp_path), "--max_steps", "2",
                                    "--early_stop_metric", "bleu"]))
     assert "--early_stop_metric 'bleu'" in line and "loss" in line and "accuracy" in line
-    line = one_line_error(run_cli(["train", *TINY, "--run_dir", str(tmp_path), "--callbacks", "no_such_mod:Cb"]))
+
+
+def test_a_callback_that_does_not_import_is_a_one_line_error_before_any_process(tmp_path):
+    line = one_line_error(cli_in_process(["train", *TINY, "--run_dir", str(tmp_path), "--callbacks",
+                                          "no_such_mod:Cb"]))
     assert "--callbacks" in line and "no_such_mod" in line
 
 

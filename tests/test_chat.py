@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close_weights, one_line_error, run_cli, train, weights
+from helpers import assert_close_weights, cli_in_process, one_line_error, run_cli, train, weights
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -173,8 +173,8 @@ def test_silent_wrongs_of_the_data_are_one_line_exit_2(case, tokenizer_dir, chat
     else:
         data.write_text(chats.read_text())
         flags, task = [], ["--task", "classification", "--model", "gpt", "--vocab_size", "320"]
-    line = one_line_error(run_cli(["train", "--run_dir", str(tmp_path / "run"), *task, "--dataset", f"hf:{data}",
-                                   "--tokenizer", tokenizer, *flags, "--no-progress", "--num_workers", "0"]))
+    line = one_line_error(cli_in_process(["train", "--run_dir", str(tmp_path / "run"), *task, "--dataset", f"hf:{data}",
+                                          "--tokenizer", tokenizer, *flags, "--no-progress", "--num_workers", "0"]))
     expected = {"null": ["record 1", "a", str(data)], "all-cut-off": ["--seq_len 16", "cut off", "prompt is"],
                 "no-template": ["chat template", "--tokenizer"], "not-messages": ["record 0", "string content"],
                 "task-fields": ["--text_field text", "--task classification reads"],
@@ -282,10 +282,10 @@ def test_a_model_that_cannot_hold_the_data_is_one_line_before_training(case, tok
     if case == "tokens-vocab":
         text = tmp_path / "text.txt"
         text.write_text(" ".join(words(300)))
-        assert run_cli(["prepare-text", str(tmp_path / "tokens"), str(text), "--tokenizer",
-                        str(tokenizer_dir)]).returncode == 0
-    line = one_line_error(run_cli(["train", "--run_dir", str(tmp_path / "run"), "--task", "language_model", *args,
-                                   "--no-progress", "--num_workers", "0"]))
+        assert cli_in_process(["prepare-text", str(tmp_path / "tokens"), str(text), "--tokenizer",
+                               str(tokenizer_dir)]).returncode == 0
+    line = one_line_error(cli_in_process(["train", "--run_dir", str(tmp_path / "run"), "--task", "language_model",
+                                          *args, "--no-progress", "--num_workers", "0"]))
     expected = {"vocab": ["320 tokens", "64"], "positions": ["--seq_len 64", "32 positions"],
                 "typo": ["no such directory"], "tokens-vocab": ["320 tokens", "64", "--model"]}[case]
     assert all(part in line for part in expected), line

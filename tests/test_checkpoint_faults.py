@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import REPO, last_committed, metrics, one_line_error, plant_hostile, run_cli, train
+from helpers import REPO, cli_in_process, last_committed, metrics, one_line_error, plant_hostile, run_cli, train
 
 SAVES = ["--save_every_steps", "2", "--keep_last", "0", "--epochs", "1"]
 COMPAT = REPO / "tests" / "fixtures" / "compat-2026-12-06"  # checkpoints an earlier version wrote (test_compat)
@@ -158,7 +158,7 @@ def test_an_earlier_versions_full_checkpoint_with_a_hostile_pickle_is_refused(tm
     shutil.copytree(COMPAT / "ddp" / "step-3", checkpoint)
     plant_hostile(checkpoint, name, sentinel)
     out = tmp_path / "exported.safetensors"
-    line = one_line_error(run_cli(["export", str(checkpoint), str(out)], env=UNSAFE_DEFAULT))
+    line = one_line_error(cli_in_process(["export", str(checkpoint), str(out)], env=UNSAFE_DEFAULT))
     assert f"{name} refused by the safe loader" in line, line
     proc = run_cli(["train", "--config", str(COMPAT / "job.toml"), "--run_dir", str(tmp_path), "--max_steps", "4",
                     "--nproc", "0"], env=UNSAFE_DEFAULT)  # in this process: the job file says 2
@@ -175,7 +175,7 @@ def test_a_pickle_in_place_of_the_safetensors_file_does_not_parse_and_never_runs
     plant_hostile(checkpoint, "model.safetensors", sentinel)
     run_dir = tmp_path
     out = run_dir / "exported.safetensors"
-    line = one_line_error(run_cli(["export", str(checkpoint), str(out)], env=UNSAFE_DEFAULT))
+    line = one_line_error(cli_in_process(["export", str(checkpoint), str(out)], env=UNSAFE_DEFAULT))
     assert f"{checkpoint}: unusable checkpoint: model.safetensors does not parse" in line, line
     assert not sentinel.exists(), "the weights file was unpickled"
     assert not out.exists()

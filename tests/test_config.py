@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pipeline_runs as runs
 import pytest
-from helpers import TINY, one_line_error, run_cli, train
+from helpers import TINY, cli_in_process, one_line_error, run_cli, train
 
 from ddptrain.config import (SECTIONS, TrainConfig, build_parser, load_toml, resolve_config, section_fields,
                              to_toml)
@@ -54,7 +54,7 @@ def test_every_field_has_a_flag_and_bools_have_both_forms():
 
 
 def test_help_lists_every_flag():
-    proc = run_cli(["train", "--help"])
+    proc = cli_in_process(["train", "--help"])
     assert proc.returncode == 0, proc.stderr
     for f in dataclasses.fields(TrainConfig):
         assert f"--{f.name}" in proc.stdout
@@ -180,7 +180,7 @@ def test_bad_input_exits_2_with_one_line(case: str, bad_files: Path):
         if torch.cuda.is_available():
             pytest.skip("a CPU-only error")
     fill = lambda s: s.replace("{tmp}", str(bad_files))  # noqa: E731
-    proc = run_cli(["train", *map(fill, argv)], env={k: fill(v) for k, v in env.items()})
+    proc = cli_in_process(["train", *map(fill, argv)], env={k: fill(v) for k, v in env.items()})
     line = one_line_error(proc)
     assert line.startswith("ddptrain: error: ")
     assert expected in line, line
@@ -188,8 +188,32 @@ def test_bad_input_exits_2_with_one_line(case: str, bad_files: Path):
 
 
 def test_unknown_command_exits_2_with_one_line():
-    line = one_line_error(run_cli(["trian"]))
+    line = one_line_error(cli_in_process(["trian"]))
     assert "unknown command 'trian'" in line and "train" in line
+
+
+def test_a_bad_input_ends_the_process_itself_with_exit_2_and_one_line():
+    """The cases above run the CLI's `main` in this process; `python -m ddptrain` itself (its interpreter's exit
+    code, its stderr) keeps the contract too, for a bad flag and an unknown command."""
+    proc = run_cli(["train", "--batch_size", "0"])
+    assert one_line_error(proc).startswith("ddptrain: error: --batch_size must be >= 1") and proc.stdout == ""
+    assert "unknown command 'trian'" in one_line_error(run_cli(["trian"]))
+
+
+def test_a_command_run_in_this_process_leaves_the_process_as_it_found_it(tmp_path):
+    """cli_in_process (tests/helpers.py) gives the command what a process of its own would have (the environment,
+    the working directory, PYTHONPATH's plug-ins) and takes it all back, so that the tests after it are unaffected."""
+    import logging
+    import os
+    import sys
+
+    (tmp_path / "plugin_in_cwd.py").write_text("def model(cfg):\n    raise AssertionError('never built')\n")
+    state = lambda: (dict(os.environ), list(sys.path), os.getcwd(), logging.getLogger().handlers[:])  # noqa: E731
+    before = state()
+    proc = cli_in_process(["train", "--model", "plugin_in_cwd:model", "--dataset", "cifar10", "--data_dir", "nope"],
+                          cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)})  # imports the plug-in, then refuses
+    assert "--data_dir nope: no such directory" in one_line_error(proc)
+    assert state() == before and "plugin_in_cwd" not in sys.modules
 
 
 LR_WARNING = "linear scaling rule (--scale_lr) would train at lr"

@@ -21,7 +21,7 @@ from typing import Callable
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, one_line_error, run_cli, train, weights
+from helpers import assert_bitwise_equal, cli_in_process, one_line_error, train, weights
 
 RUN = ["--strategy", "fsdp", "--save_every_steps", "2", "--keep_last", "0", "--epochs", "2"]
 WEIGHT = "model.net.1.weight"  # (32, 192): rank 0 wrote rows 0-15, rank 1 rows 16-31
@@ -81,7 +81,8 @@ def point_storage(relative_path: str, offset: int, length: int) -> Callable:
 
 
 def export(checkpoint: Path, out: Path):
-    return run_cli(["export", str(checkpoint), str(out)])
+    """`ddptrain export CHECKPOINT OUT`, which starts no process: in this one."""
+    return cli_in_process(["export", str(checkpoint), str(out)])
 
 
 def files_holding(directory: Path, data: bytes) -> list[Path]:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, cli_env, one_line_error, run_cli
+from helpers import REPO, cli_env, cli_in_process, one_line_error, run_cli
 
 from ddptrain.errors import UsageError
 from ddptrain.parallel.procenv import free_port
@@ -132,7 +132,7 @@ def test_code_hash_follows_the_package_sources_not_where_they_lie(tmp_path, monk
     (["--bogus"], {}, "--bogus"),
 ])
 def test_usage_errors_are_one_line(args, env, names):
-    assert names in one_line_error(run_cli(["doctor", *args], env=env))
+    assert names in one_line_error(cli_in_process(["doctor", *args], env=env))
 
 
 def test_runs_under_srun_starting_the_tasks_directly(tmp_path):

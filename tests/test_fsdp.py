@@ -21,6 +21,7 @@ from helpers import (
     TINY,
     RunsCode,
     assert_bitwise_equal,
+    cli_in_process,
     metrics,
     one_line_error,
     read_jsonl,
@@ -348,11 +349,19 @@ def test_the_vocabulary_split_trains_as_the_gathered_embedding_and_head_do_in_ea
 @pytest.mark.parametrize("flags, message", [
     (["--strategy", "hsdp"], "--strategy hsdp needs several nodes"),
     (["--strategy", "fsdp", "--fsdp_blocks", "Nope"], "--fsdp_blocks Nope: the model has no module of that class"),
+])
+def test_wrong_strategy_flags_are_one_line_errors(tmp_path, flags, message):
+    """Found by the training process (the world it joined, the model it built)."""
+    line = one_line_error(train(tmp_path, "--max_steps", "1", *flags, check=False))
+    assert message in line, line
+
+
+@pytest.mark.parametrize("flags, message", [
     (["--strategy", "fsdp", "--static_graph"], "--static_graph does not apply to --strategy fsdp"),
     (REDUCE_EVERY, "--fsdp_reduce_every_micro_step applies to --strategy fsdp or hsdp"),
 ])
-def test_wrong_strategy_flags_are_one_line_errors(tmp_path, flags, message):
-    line = one_line_error(train(tmp_path, "--max_steps", "1", *flags, check=False))
+def test_strategy_flags_that_contradict_each_other_are_one_line_errors_before_any_process(tmp_path, flags, message):
+    line = one_line_error(cli_in_process(["train", *TINY, "--run_dir", str(tmp_path), "--max_steps", "1", *flags]))
     assert message in line, line
 
 

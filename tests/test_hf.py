@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import assert_bitwise_equal, assert_close_weights, one_line_error, run_cli, train, weights
+from helpers import (TINY, assert_bitwise_equal, assert_close_weights, cli_in_process, one_line_error, run_cli,
+                     train, weights)
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -170,21 +171,32 @@ def test_prepare_text_with_a_tokenizer_writes_token_files_a_gpt_trains_on(tokeni
           "--num_heads", "2", "--max_steps", "3", "--batch_size", "4", "--packing", timeout=300)  # documents apart
 
 
-@pytest.mark.parametrize("case", ["field", "tokenizer", "offline-model", "no-input-ids", "no-logits"])
-def test_bad_hugging_face_input_is_one_line_exit_2(case, records, tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("case", ["offline-model", "no-input-ids", "no-logits"])
+def test_bad_hugging_face_input_is_one_line_exit_2(case, tmp_path):
+    """Run as processes: HF_HUB_OFFLINE is read where huggingface_hub is imported (this process did so before), a
+    batch's keys and a model's output are checked by the training process."""
     args = {
-        "field": [*HF_DATA, "--dataset", f"hf:{records}", "--tokenizer", str(tokenizer_dir), "--prompt_field",
-                  "question"],
-        "tokenizer": [*HF_DATA, "--dataset", f"hf:{records}", "--tokenizer", str(tmp_path / "nowhere")],
         "offline-model": ["--model", "hf:no-such-org/no-such-model", *LM],
         "no-input-ids": ["--model", "gpt", *LM, "--dataset", "lm_plugins:unnamed_tokens"],
         "no-logits": ["--model", "lm_plugins:no_logits_model", *LM],
     }[case]
     line = one_line_error(train(tmp_path / "run", *args, "--max_steps", "1", check=False,
                                 env={"HF_HUB_OFFLINE": "1"}, timeout=300))
-    expected = {"field": "--prompt_field question: --dataset", "tokenizer": "--tokenizer", "offline-model":
-                "--model hf:no-such-org/no-such-model: cannot load it", "no-input-ids": "needs 'input_ids'",
-                "no-logits": "without logits"}[case]
+    expected = {"offline-model": "--model hf:no-such-org/no-such-model: cannot load it",
+                "no-input-ids": "needs 'input_ids'", "no-logits": "without logits"}[case]
+    assert expected in line, line
+
+
+@pytest.mark.parametrize("case", ["field", "tokenizer"])
+def test_bad_hugging_face_data_flags_are_one_line_exit_2_before_any_process(case, records, tokenizer_dir, tmp_path):
+    args = {
+        "field": [*HF_DATA, "--dataset", f"hf:{records}", "--tokenizer", str(tokenizer_dir), "--prompt_field",
+                  "question"],
+        "tokenizer": [*HF_DATA, "--dataset", f"hf:{records}", "--tokenizer", str(tmp_path / "nowhere")],
+    }[case]
+    line = one_line_error(cli_in_process(["train", *TINY, "--run_dir", str(tmp_path / "run"), *args, "--max_steps",
+                                          "1"], env={"HF_HUB_OFFLINE": "1"}))
+    expected = {"field": "--prompt_field question: --dataset", "tokenizer": "--tokenizer"}[case]
     assert expected in line, line
 
 
@@ -231,9 +243,12 @@ def test_a_launcher_checks_and_tokenizes_hf_data_in_a_process_of_its_own(records
     process forked from the worker server, so the launcher never holds datasets, transformers or the records
     (measured on a LoRA chat job: launcher 298 -> 208 MiB PSS, 400 -> 270 MiB RSS, as a gpt job's). A cold
     interpreter runs `fit(nproc=2)`; the workers find the records tokenized."""
+    import shutil
+
     from helpers import run_python
 
-    args = [*HF_DATA, "--dataset", f"hf:{records}", "--tokenizer", str(tokenizer_dir), "--max_steps", "1",
+    fresh = shutil.copy(records, tmp_path / "rows.jsonl")  # (the module's records may be tokenized already)
+    args = [*HF_DATA, "--dataset", f"hf:{fresh}", "--tokenizer", str(tokenizer_dir), "--max_steps", "1",
             "--run_dir", str(tmp_path / "run"), "--no-progress", "--num_workers", "0", "--eval_every_steps", "0"]
     proc = run_python(["-c", LEAN_LAUNCHER, *args], fresh=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

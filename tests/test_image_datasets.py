@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import metrics, one_line_error, run_cli, train
+from helpers import cli_in_process, metrics, one_line_error, run_cli, train
 from PIL import Image
 
 from ddptrain.config import resolve_config
@@ -175,7 +175,7 @@ def test_shipped_cifar10_config_validates_against_cifar_files(tmp_path):
 
 
 def test_cli_names_the_flag_for_a_missing_data_dir(tmp_path):
-    line = one_line_error(run_cli(["train", "--dataset", "cifar10", "--data_dir", str(tmp_path / "nope")]))
+    line = one_line_error(cli_in_process(["train", "--dataset", "cifar10", "--data_dir", str(tmp_path / "nope")]))
     assert line.startswith("ddptrain: error: --data_dir") and "no such directory" in line
 
 

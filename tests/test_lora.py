@@ -17,8 +17,8 @@ from typing import Any, Callable
 import pytest
 import torch
 from safetensors.torch import save_file
-from helpers import assert_bitwise_equal, assert_close_weights, assert_restarted, last_committed, metrics, one_line_error, \
-    run_cli, train, weights
+from helpers import assert_bitwise_equal, assert_close_weights, assert_restarted, cli_in_process, last_committed, \
+    metrics, one_line_error, run_cli, train, weights
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -133,10 +133,14 @@ def test_a_lora_checkpoint_refuses_a_base_whose_weights_were_reordered(tmp_path)
         export.main([str(last_committed(tmp_path / "run")), "--hf", str(tmp_path / "merged"), "--merge"])
 
 
-def test_lora_flags_without_a_rank_and_unknown_targets_are_one_line_errors(base, tmp_path):
-    line = one_line_error(run_cli(["train", "--run_dir", str(tmp_path), "--model", f"hf:{base}", *LM,
-                                   "--lora_targets", "q_proj"]))
+def test_lora_flags_without_a_rank_are_a_one_line_error_before_any_process(base, tmp_path):
+    line = one_line_error(cli_in_process(["train", "--run_dir", str(tmp_path), "--model", f"hf:{base}", *LM,
+                                          "--lora_targets", "q_proj"]))
     assert "--lora_rank" in line
+
+
+def test_unknown_lora_targets_are_a_one_line_error(base, tmp_path):
+    # Found where the adapters are applied, by the training process.
     line = one_line_error(run_cli(["train", "--run_dir", str(tmp_path), "--model", f"hf:{base}", *LM, *LORA,
                                    "--lora_targets", "q_proj,qkv", "--num_workers", "0", "--no-progress"]))
     assert "--lora_targets" in line and "qkv" in line and "q_proj" in line

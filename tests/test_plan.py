@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import one_line_error, run_cli
+from helpers import cli_in_process, one_line_error, run_cli
 
 from ddptrain.config import TrainConfig, to_toml
 from ddptrain.tools import doctor, memplan, plan
@@ -159,7 +159,7 @@ def test_compute_read_from_a_one_process_run(tmp_path):
 
 
 def test_cli_prints_a_row_per_device_count_and_the_assumptions():
-    proc = run_cli(["plan", "--step_ms", "100", "--grad_mib", "100", "--busbw_gbps", "10", "--gpus", "8,1024"])
+    proc = cli_in_process(["plan", "--step_ms", "100", "--grad_mib", "100", "--busbw_gbps", "10", "--gpus", "8,1024"])
     assert proc.returncode == 0, proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip().split(" ")[0] in ("8", "1024")]
     assert [r[0] for r in rows] == ["8", "1024"]
@@ -175,12 +175,17 @@ def test_cli_prints_a_row_per_device_count_and_the_assumptions():
     (["--step_ms", "abc"], "--step_ms"),
 ], ids=["no-compute", "no-network", "negative-bandwidth", "bad-gpus", "missing-doctor-file", "not-a-number"])
 def test_cli_usage_errors_are_one_line_exit_2(args, needle):
-    assert needle in one_line_error(run_cli(["plan", *args]))
+    assert needle in one_line_error(cli_in_process(["plan", *args]))
 
 
 def test_cli_refuses_a_multi_process_run_dir(tmp_path):
-    line = one_line_error(run_cli(["plan", "--run_dir", str(_run_dir(tmp_path, 2)), "--busbw_gbps", "1"]))
+    line = one_line_error(cli_in_process(["plan", "--run_dir", str(_run_dir(tmp_path, 2)), "--busbw_gbps", "1"]))
     assert "1 process" in line
+
+
+def test_a_usage_error_ends_the_plan_process_with_exit_2_and_one_line():
+    """The cases above run the CLI's `main` in this process; `python -m ddptrain plan` itself keeps the contract."""
+    assert "--step_ms" in one_line_error(run_cli(["plan", "--step_ms", "abc"]))
 
 
 def test_fsdp_moves_one_and_a_half_times_ddp_s_bytes_and_hides_all_but_the_ends():
@@ -300,12 +305,13 @@ def test_the_meta_forward_counts_activations_by_unit_in_forward_order_without_pa
 def test_cli_prints_the_memory_per_rank_alone_or_beside_the_speed():
     model = ["--model", "gpt", "--task", "language_model", "--vocab_size", "4096", "--seq_len", "32",
              "--width", "64", "--num_layers", "3", "--num_heads", "2", "--strategy", "fsdp"]
-    proc = run_cli(["plan", *model, "--nproc", "4"])
+    proc = cli_in_process(["plan", *model, "--nproc", "4"])
     assert proc.returncode == 0, proc.stderr
     rows = _table_rows(proc.stdout)
     assert [r[0] for r in rows] == ["4"] and rows[0][-3] == "backward", proc.stdout
     assert "peak MiB/rank" in proc.stdout and "efficiency" not in proc.stdout
-    both = run_cli(["plan", *model, "--step_ms", "100", "--grad_mib", "10", "--busbw_gbps", "10", "--gpus", "8,64"])
+    both = cli_in_process(["plan", *model, "--step_ms", "100", "--grad_mib", "10", "--busbw_gbps", "10", "--gpus",
+                           "8,64"])
     assert both.returncode == 0, both.stderr
     assert "peak MiB/rank" in both.stdout and "efficiency" in both.stdout
     assert [r[0] for r in _table_rows(both.stdout)] == ["8", "64", "8", "64"]  # memory, then speed
@@ -321,7 +327,7 @@ def _table_rows(text: str) -> list[list[str]]:
                                           (["--model", "gpt", "--strategy", "zero"], "--strategy")],
                          ids=["unknown-model", "negative-activations", "bad-strategy"])
 def test_memory_usage_errors_are_one_line_exit_2(args, needle):
-    assert needle in one_line_error(run_cli(["plan", *args]))
+    assert needle in one_line_error(cli_in_process(["plan", *args]))
 
 
 def _measured_activation_peak(cfg: TrainConfig) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bitwise_equal, metrics, one_line_error, run_cli, train, weights
+from helpers import assert_bitwise_equal, cli_in_process, metrics, one_line_error, train, weights
 
 STEPS = ["--max_steps", "8", "--epochs", "1", "--save_every", "0", "--eval_size", "0"]
 FSDP = ["--strategy", "fsdp"]
@@ -52,6 +52,6 @@ def test_bf16_weights_train_are_saved_bf16_and_hold_half_the_bytes(fsdp, tmp_pat
 @pytest.mark.parametrize("flag", [["--cpu_offload"], ["--param_dtype", "bf16"], ["--reduce_dtype", "bf16"],
                                   ["--no-reshard_after_forward"]])
 def test_fsdp_only_flags_under_ddp_are_one_line_exit_2(tmp_path, flag):
-    proc = run_cli(["train", "--run_dir", str(tmp_path), *flag])
+    proc = cli_in_process(["train", "--run_dir", str(tmp_path), *flag])
     assert proc.returncode == 2
     assert f"--{flag[0].lstrip('-')}".split()[0] in one_line_error(proc) and "--strategy fsdp" in one_line_error(proc)

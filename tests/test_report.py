@@ -7,7 +7,7 @@ import shutil
 import sys
 
 import pytest
-from helpers import one_line_error, run_cli
+from helpers import cli_in_process, one_line_error
 from observed_run import observed_run
 from PIL import Image
 
@@ -61,9 +61,9 @@ def test_report_of_a_run_still_being_written(run, tmp_path):
 
 
 def test_report_of_a_dir_without_metrics_exits_2(tmp_path):
-    line = one_line_error(run_cli(["report", str(tmp_path)]))
+    line = one_line_error(cli_in_process(["report", str(tmp_path)]))
     assert "no metrics yet" in line and str(tmp_path) in line
-    assert "no such run dir" in one_line_error(run_cli(["report", str(tmp_path / "missing")]))
+    assert "no such run dir" in one_line_error(cli_in_process(["report", str(tmp_path / "missing")]))
 
 
 def test_report_without_matplotlib_says_how_to_install_it(run, monkeypatch, capsys):

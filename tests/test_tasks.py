@@ -24,8 +24,10 @@ from helpers import (
     assert_restarted,
     assert_trained,
     cli_env,
+    cli_in_process,
     initial_weights,
     metrics,
+    one_line_error,
     read_jsonl,
     run_cli,
     train,
@@ -75,7 +77,7 @@ def token_dir(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("tokens")
     (root / "corpus.txt").write_bytes(pydoc_tokens()[:60_000].tobytes())
-    proc = run_cli(["prepare-text", str(root / "data"), str(root / "corpus.txt"), "--shard_tokens", "7000"])
+    proc = cli_in_process(["prepare-text", str(root / "data"), str(root / "corpus.txt"), "--shard_tokens", "7000"])
     assert proc.returncode == 0, proc.stderr
     return root / "data"
 
@@ -87,6 +89,26 @@ def test_prepare_text_writes_shards_that_read_back_as_the_text(token_dir):
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 256 and len(meta["train"]) == 8
     tokens = np.concatenate([np.fromfile(token_dir / n, dtype=np.uint16) for n in meta["train"] + meta["eval"]])
     assert (token_dir.parent / "corpus.txt").read_bytes() == tokens.astype(np.uint8).tobytes()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["missing.txt"], "missing.txt: no such file; pass text files"),
+    (["corpus.txt", "--eval_fraction", "1"], "--eval_fraction must be in [0, 1) (got 1.0)"),
+    (["corpus.txt", "--shard_tokens", "1"], "--shard_tokens must be >= 2 (got 1)"),
+    (["corpus.txt", "--shard_tokens", "many"], "--shard_tokens"),
+], ids=["missing-file", "eval-fraction", "shard-tokens", "not-a-number"])
+def test_prepare_text_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, args, words):
+    (tmp_path / "corpus.txt").write_text("some text")
+    proc = cli_in_process(["prepare-text", str(tmp_path / "out"), *args], cwd=tmp_path)
+    assert words in one_line_error(proc)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_usage_error_ends_the_prepare_text_process_with_exit_2_and_one_line(tmp_path):
+    """The cases above run the CLI's `main` in this process; `python -m ddptrain prepare-text` itself keeps the
+    contract."""
+    proc = run_cli(["prepare-text", str(tmp_path / "out"), str(tmp_path / "missing.txt")])
+    assert "missing.txt: no such file" in one_line_error(proc)
 
 
 def test_token_files_are_read_once_per_epoch_across_ranks_and_workers(tmp_path, token_dir):
@@ -196,13 +218,15 @@ def test_the_char_level_lm_config_learns_well_below_the_unigram_baseline(tmp_pat
     assert final_eval["step"] == 102 and final_eval["loss"] <= 2.45, final_eval
 
 
-def test_a_bad_task_is_a_usage_error():
-    from helpers import one_line_error
-
-    line = one_line_error(run_cli(["train", *TINY, "--task", "segmentation"]))
+def test_an_unknown_task_is_a_usage_error():
+    line = one_line_error(cli_in_process(["train", *TINY, "--task", "segmentation"]))
     assert "--task 'segmentation'" in line
-    line = one_line_error(run_cli(["train", *TINY, "--task", "builtins:str"]))  # returns a str: no loss()
-    assert "--task builtins:str" in line and "loss(model, batch)" in line
+
+
+def test_a_task_without_a_loss_is_a_usage_error(tmp_path):
+    # Found when the training process builds the task: a process of its own.
+    line = one_line_error(run_cli(["train", *TINY, "--run_dir", str(tmp_path), "--task", "builtins:str"]))
+    assert "--task builtins:str" in line and "loss(model, batch)" in line  # returns a str: no loss()
 
 
 def test_train_lines_count_trained_and_input_tokens_apart(tmp_path):

@@ -19,7 +19,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import TINY, assert_restarted, cli_env, metrics, one_line_error, run_cli, start_cli, train, wait_for
+from helpers import (TINY, assert_restarted, cli_env, cli_in_process, metrics, one_line_error, run_cli, start_cli,
+                     train, wait_for)
 
 from ddptrain.parallel.procenv import free_port
 
@@ -253,30 +254,26 @@ def test_a_damaged_earlier_wandb_file_does_not_stop_logging_and_the_newest_offli
     assert wandb_ending(records) == (0, "finished")
 
 
-def test_a_missing_tracker_package_names_the_extra_and_an_unknown_tracker_is_refused(tmp_path):
-    line = one_line_error(run_cli(["train", *TINY, "--run_dir", str(tmp_path), "--tracker", "comet"]))
+def test_a_missing_tracker_package_names_the_extra_and_an_unknown_tracker_is_refused(tmp_path, monkeypatch):
+    line = one_line_error(cli_in_process(["train", *TINY, "--run_dir", str(tmp_path), "--tracker", "comet"]))
     assert "--tracker 'comet'" in line and "mlflow" in line
-    script = ("import sys; sys.modules['mlflow'] = None; from ddptrain.cli import main; "
-              f"sys.exit(main(['train', *{TINY!r}, '--run_dir', {str(tmp_path)!r}, '--tracker', 'mlflow']))")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=120)
-    line = one_line_error(proc)
-    assert "pip install 'ddptrain[mlflow]'" in line
-    proc = subprocess.run([sys.executable, "-c", script.replace("mlflow", "wandb")], capture_output=True, text=True,
-                          env=cli_env(), timeout=120)
-    assert "pip install 'ddptrain[wandb]'" in one_line_error(proc)
+    for package in ("mlflow", "wandb"):
+        with monkeypatch.context() as missing:
+            missing.setitem(sys.modules, package, None)  # `import mlflow` fails, as where it is not installed
+            line = one_line_error(cli_in_process(["train", *TINY, "--run_dir", str(tmp_path), "--tracker", package]))
+        assert f"pip install 'ddptrain[{package}]'" in line, line
 
 
-def test_mlflow_s_local_default_store_works_with_mlflow_and_is_refused_in_one_line_with_the_client_only(tmp_path):
+def test_mlflow_s_local_default_store_works_with_mlflow_and_is_refused_in_one_line_with_the_client_only(tmp_path,
+                                                                                                       monkeypatch):
     """Issue 37 item 9. Without a tracking URI MLflow uses sqlite:///mlflow.db in the working directory: with the
     full mlflow package the run lands there; with mlflow-skinny (no SQLAlchemy: ddptrain[mlflow]) it is refused
     before training, naming both fixes, where it used to fail in the tracker's thread after training began."""
     assert "MLFLOW_TRACKING_URI" not in os.environ
     job = ["train", *TINY, "--run_dir", str(tmp_path / "run"), "--max_steps", "3", "--tracker", "mlflow"]
-    script = ("import sys; sys.modules['sqlalchemy'] = None; from ddptrain.cli import main; "
-              f"sys.exit(main({job!r}))")
-    skinny = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(),
-                            cwd=tmp_path, timeout=120)
-    line = one_line_error(skinny)
+    with monkeypatch.context() as skinny:
+        skinny.setitem(sys.modules, "sqlalchemy", None)  # mlflow-skinny's: no SQLAlchemy
+        line = one_line_error(cli_in_process(job, cwd=tmp_path))
     assert f"sqlite:///{tmp_path / 'mlflow.db'}" in line and "pip install mlflow" in line and "--mlflow_tracking_uri" in line, line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     proc = run_cli(job, cwd=tmp_path)
