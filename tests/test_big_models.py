@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, assert_bitwise_equal, assert_close_weights, run_cli, run_python, train, weights
+from helpers import REPO, TINY, assert_bitwise_equal, assert_close_weights, run_cli, run_python, train, weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -294,7 +294,7 @@ def test_plan_shards_the_llama_as_the_run_did(models, llama_fsdp):
     from ddptrain.config import resolve_config
     from ddptrain.tools import memplan
 
-    cfg = resolve_config(["--model", f"hf:{models / 'llama_index'}", *LM, *FSDP])
+    cfg = resolve_config([*TINY, "--model", f"hf:{models / 'llama_index'}", *LM, *FSDP])  # the run's flags
     shape = memplan.model_shape(cfg)
     log_text = (llama_fsdp / "logs" / "rank-0.log").read_text()
     split = sum(1 for unit in shape.units if unit.vocabulary)  # the embedding and head: no FSDP units
