@@ -353,10 +353,10 @@ class TrainConfig:
             given = {f.name for f in fields(self) if getattr(self, f.name) != f.default}
         self.given = given  # (not a setting: what set them, for a `fit` that settles this config again)
         if self.trains_a_transformer():
-            self.by_task = sorted(set(self.transformer_defaults()) - given - ({"warmup_ratio"} if self.warmup_steps
-                                                                               else set()))
+            defaults = self.transformer_defaults()  # (read before any is set: the lr depends on lora_rank only)
+            self.by_task = sorted(set(defaults) - given - ({"warmup_ratio"} if self.warmup_steps else set()))
             for name in self.by_task:
-                setattr(self, name, self.transformer_defaults()[name])
+                setattr(self, name, defaults[name])
         if "tensorboard" in parse_trackers(self.tracker):
             self.tensorboard = True
         if self.resume_from and not Path(self.resume_from).is_absolute() and not Path(self.resume_from).exists() \

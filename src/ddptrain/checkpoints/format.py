@@ -366,11 +366,17 @@ def resume_changes(cfg: Any) -> tuple[Path | None, list[str]]:
         path = newest[0][1]
     else:
         return None, []
+    saved = _saved_config(path)
+    return path, setting_changes(saved, cfg.to_dict()) if saved is not None else []
+
+
+def _saved_config(checkpoint: Path) -> dict[str, Any] | None:
+    """The config a checkpoint was saved under, or None where its manifest cannot be read (resume's own checks
+    say why, or fall back)."""
     try:
-        saved = json.loads((path / MANIFEST).read_text()).get("config", {})
-    except (OSError, ValueError):  # unreadable: resume's own checks say why, or fall back
-        return path, []
-    return path, setting_changes(saved, cfg.to_dict())
+        return json.loads((checkpoint / MANIFEST).read_text()).get("config", {})
+    except (OSError, ValueError):
+        return None
 
 
 def settle_settings(cfg: Any) -> dict[str, Any]:
@@ -389,11 +395,8 @@ def keep_trained_with(cfg: Any) -> None:
     defaults decided (`TrainConfig.by_task`, which a newer ddptrain may decide otherwise): those settings are the
     checkpoint's (a setting it predates, its declared default then)."""
     path, _ = resume_changes(cfg)
-    if path is None or not getattr(cfg, "by_task", ()):
-        return
-    try:
-        saved = json.loads((path / MANIFEST).read_text()).get("config", {})
-    except (OSError, ValueError):  # unreadable: resume's own checks say why, or fall back
+    saved = _saved_config(path) if path is not None and getattr(cfg, "by_task", ()) else None
+    if saved is None:
         return
     declared = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in cfg.by_task:
