@@ -10,8 +10,8 @@ import pipeline_runs as runs
 import pytest
 from helpers import TINY, cli_in_process, one_line_error, run_cli, train
 
-from ddptrain.config import (SECTIONS, TrainConfig, build_parser, load_toml, resolve_config, section_fields,
-                             to_toml)
+from ddptrain.config import SECTIONS, TrainConfig, load_toml, resolve_config, to_toml
+from ddptrain.settings import FIELDS, value_type
 from ddptrain.errors import UsageError
 
 # The seed article's flags: each keeps its name and meaning. Values differ from the defaults on purpose.
@@ -44,20 +44,19 @@ def test_every_seed_flag_parses(tmp_path: Path):
     assert resolve_config(["--lr=0.5"]).lr == 0.5
 
 
-def test_every_field_has_a_flag_and_bools_have_both_forms():
-    flags = {s for action in build_parser()._actions for s in action.option_strings}
-    for f in dataclasses.fields(TrainConfig):
-        assert f"--{f.name}" in flags
-        if f.type == "bool":
-            assert f"--no-{f.name}" in flags
-    assert set(SEED_FLAGS) | set(SEED_SWITCHES) | set(SEED_PATHS) <= {f.name for f in dataclasses.fields(TrainConfig)}
-
-
-def test_help_lists_every_flag():
+def test_help_lists_every_flag_in_its_section_and_switches_in_both_forms():
     proc = cli_in_process(["train", "--help"])
     assert proc.returncode == 0, proc.stderr
-    for f in dataclasses.fields(TrainConfig):
-        assert f"--{f.name}" in proc.stdout
+    shown = set(re.findall(r"--[a-z0-9_-]+", proc.stdout))
+    for table, section in SECTIONS.items():
+        assert f"{table} options" in proc.stdout
+        for f in dataclasses.fields(section):
+            assert f"--{f.name}" in shown
+            if value_type(section, f.name) is bool:
+                assert f"--{f.name}, --no_{f.name}" in proc.stdout  # (tyro's spelling; --no-x as well)
+    assert (proc.stdout.index("data options") < proc.stdout.index("--seq_len INT") < proc.stdout.index("parallel options")
+            < proc.stdout.index("--strategy {ddp,fsdp,hsdp}"))
+    assert set(SEED_FLAGS) | set(SEED_SWITCHES) | set(SEED_PATHS) <= FIELDS.keys()
 
 
 def test_command_line_overrides_file_overrides_defaults(tmp_path: Path):
@@ -84,8 +83,8 @@ def test_a_config_file_may_group_its_keys_in_sections_and_each_component_reads_i
     with pytest.raises(dataclasses.FrozenInstanceError):
         checkpoint.keep_last = 1  # a component reads its section; it does not set the run's config
     # Every key is in exactly one section.
-    assert sorted(k for name in SECTIONS for k in section_fields(name)) == sorted(f.name for f in
-                                                                              dataclasses.fields(TrainConfig))
+    assert sorted(f.name for section in SECTIONS.values() for f in dataclasses.fields(section)) == sorted(
+        TrainConfig().to_dict())
 
 
 def test_to_toml_round_trips_awkward_values(tmp_path: Path):
@@ -299,7 +298,7 @@ def test_a_flag_whose_default_is_on_is_refused_where_it_would_be_ignored(tmp_pat
 def test_a_boolean_flag_takes_true_or_false_as_users_spell_it():
     """`--progress false` was "unknown flag false": a switch takes --x, --x true/false (yes/no, on/off, 1/0) and
     --no-x; anything else is one line naming the flag and the spellings. --help shows each switch once."""
-    from ddptrain.config import build_parser, resolve_config
+    from ddptrain.config import resolve_config
 
     said = {tuple(argv): resolve_config([*argv, "--lr", "0.1"], validate=False).progress
             for argv in (["--progress", "false"], ["--progress=No"], ["--progress", "1"], ["--progress"],
@@ -311,7 +310,7 @@ def test_a_boolean_flag_takes_true_or_false_as_users_spell_it():
         resolve_config(["--progress", "maybe"], validate=False)
     with pytest.raises(UsageError, match="--no-progress takes no value"):
         resolve_config(["--no-progress", "false"], validate=False)
-    assert "--progress [true|false], --no-progress\n" in build_parser().format_help()
+    assert "A switch is --x, --no-x, or --x true/false." in cli_in_process(["train", "--help"]).stdout
 
 
 def test_a_transformer_trains_with_a_fine_tuners_defaults_unless_set():
@@ -352,3 +351,47 @@ def test_a_run_resumed_keeps_what_it_trained_with_where_the_defaults_decided(tmp
     assert (kept["optimizer"], kept["lr"], kept["lr_schedule"], kept["grad_clip"]) == ("sgd", 0.01, "constant", 0.0)
     with pytest.raises(UsageError, match="was trained with other settings \\(optimizer 'sgd' -> 'adamw'\\)"):
         ddptrain.fit(config=resolve_config([*lm, "--max_steps", "6", "--optimizer", "adamw"]))
+
+
+def test_each_section_is_typed_checks_its_own_rules_and_the_config_joins_them():
+    """Settings by component: a section's rules need no other section; a rule that joins two is the config's."""
+    from ddptrain.settings import DataSettings, FinetuneSettings, ParallelSettings, choices
+
+    assert choices(ParallelSettings, "strategy") == ("ddp", "fsdp", "hsdp")
+    assert value_type(ParallelSettings, "strategy") is str and value_type(DataSettings, "packing") is bool
+    with pytest.raises(UsageError, match="^--packing places token rows for --task language_model"):
+        DataSettings(packing=True).validate()
+    with pytest.raises(UsageError, match=r"^--lora_dora configures LoRA adapters, which are off"):
+        FinetuneSettings(lora_dora=True).validate()
+    FinetuneSettings(lora_rank=8, lora_dora=True).validate()  # alone it is fine: the strategy is another section's
+    with pytest.raises(UsageError, match="^--lora_dora works with --strategy ddp only"):
+        TrainConfig(lora_rank=8, lora_dora=True, strategy="fsdp").validate()
+    cfg = TrainConfig(lr=0.5, strategy="fsdp")
+    assert (cfg.training.lr, cfg.lr, cfg.section("parallel").strategy) == (0.5, 0.5, "fsdp")
+    parallel = cfg.parallel
+    cfg.strategy = "hsdp"  # the config holds a new section; what a component was given stays as it was
+    assert (cfg.strategy, parallel.strategy) == ("hsdp", "fsdp")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        parallel.strategy = "ddp"
+    assert cfg.replace(lr=1.0).lr == 1.0 and cfg.lr == 0.5
+    assert TrainConfig(training=cfg.training, seed=3).to_dict() == {**TrainConfig().to_dict(), "lr": 0.5, "seed": 3}
+    with pytest.raises(TypeError, match="unknown settings lrr"):
+        TrainConfig(lrr=1)
+    with pytest.raises(AttributeError, match="no setting 'lrr'"):
+        cfg.lrr  # noqa: B018
+
+
+def test_a_switch_spelled_as_help_spells_it_counts_as_given():
+    """tyro's help writes --no_x; it reads as --no-x, and a setting so given is the run's even at its default (a
+    transformer's defaults do not override it)."""
+    lm = ["--task", "language_model", "--model", "gpt", "--dataset", "pydoc"]
+    assert resolve_config([*lm, "--no_progress"]).progress is False
+    assert resolve_config([*lm, "--grad_clip", "0"]).grad_clip == 0.0  # given at the image default: kept
+    assert resolve_config(lm).grad_clip == 1.0
+
+
+def test_a_fit_argument_of_the_wrong_type_is_one_line(tmp_path: Path):
+    import ddptrain
+
+    with pytest.raises(UsageError, match=r"^fit\(epochs=\.\.\.\): epochs = 'two' should be int$"):
+        ddptrain.fit(config=TrainConfig(run_dir=str(tmp_path)), epochs="two")

@@ -235,7 +235,7 @@ def test_fsdp_memory_by_hand_peaks_in_the_backward_of_the_largest_unit():
     assert (f.gathered, f.grads_at_peak, f.activations) == (400 + 24000 + 24000 + 8000, 4 * (25 + 750), 1200)
     assert f.grads == 4100 and f.held == 3 * 4100  # after backward: every unit's gradient shards
     assert f.device_peak == f.total == 4100 + 4100 + 3100 + 56400 + 1200
-    offloaded = memplan.footprint(_shape(), dataclasses.replace(cfg, cpu_offload=True), 4)
+    offloaded = memplan.footprint(_shape(), cfg.replace(cpu_offload=True), 4)
     assert offloaded.device_peak == 56400 + 1200  # the state at rest is on the host
     assert offloaded.total == f.total
     # ddp: everything whole, DDP's buckets hold every gradient, the activations peak at the end of forward.

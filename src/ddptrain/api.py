@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.checkpoints import runlock
-from ddptrain.config import TrainConfig, refuse_ignored
+from ddptrain.config import TrainConfig, coerce, refuse_ignored
 from ddptrain.errors import (
     EXIT_PREEMPTED,
     EXIT_USAGE,
@@ -49,6 +49,7 @@ from ddptrain.parallel.procenv import (
 )
 from ddptrain.parts import Parts
 from ddptrain.preflight import check, check_hf, uses_hf
+from ddptrain.settings import FIELDS
 
 __all__ = ["fit", "train_worker", "Parts", "WorkerFailed"]
 
@@ -190,17 +191,17 @@ def fit(model: Any = None, train_data: Any = None, eval_data: Any = None, task: 
     sharded in place: load `summary["weights"]` into a fresh one. A model given as fn(cfg) or by --model:
     load `summary["weights"]`.
     """
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    for key in overrides:
-        if key not in known:
-            hint = difflib.get_close_matches(key, known, n=1)
-            raise UsageError(f"fit({key}=...): not a TrainConfig field" + (f"; did you mean {hint[0]}?" if hint else ""))
-    cfg = dataclasses.replace(config or TrainConfig(), **overrides)
+    for key, value in overrides.items():
+        if key not in FIELDS:
+            hint = difflib.get_close_matches(key, FIELDS, n=1)
+            raise UsageError(f"fit({key}=...): not a TrainConfig setting" + (f"; did you mean {hint[0]}?" if hint else ""))
+        overrides[key] = coerce(key, value, f"fit({key}=...)")
+    cfg = (config or TrainConfig()).replace(**overrides)
     # What was set: the arguments, and what set a config's settings (a resolved config's `given`; else those away
     # from their defaults).
     set_before = getattr(config, "given", None) if config is not None else set()
     if set_before is None:
-        set_before = {f.name for f in dataclasses.fields(config) if getattr(config, f.name) != f.default}
+        set_before = {name for name, f in FIELDS.items() if getattr(config, name) != f.default}
     given = set(overrides) | set_before
     if not cfg.run_dir:
         # `fit` resumes only a run dir you name (as HF Trainer's resume_from_checkpoint and Lightning's ckpt_path
@@ -259,7 +260,7 @@ def _fit_worker(cfg: TrainConfig, parts: Parts) -> dict[str, Any] | None:
     """A worker of `fit(nproc=N)`: its part of the job; the summary back to the launcher, an exit code (and the
     error file the launcher reads) as `ddptrain train`'s workers give them."""
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
-        cfg = dataclasses.replace(cfg, auto_resume=True)  # a restart resumes this run's own checkpoints
+        cfg = cfg.replace(auto_resume=True)  # a restart resumes this run's own checkpoints
     try:
         return train_worker(cfg, parts)
     except (UsageError, Preempted, WorkerFailed) as exc:

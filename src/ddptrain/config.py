@@ -1,317 +1,98 @@
-"""The one TrainConfig: defaults, validation, command-line flags and TOML, all derived from one dataclass.
+"""The one TrainConfig: every component's settings section (settings.py), read from flags, TOML and `fit`.
 
-Precedence: command line > ``--config FILE.toml`` > dataclass defaults. Validation runs once, at the edge
+Precedence: command line > ``--config FILE.toml`` > the sections' defaults. The command line is parsed by tyro
+from the sections' types, every flag by its setting's own name (`--lr`, not `--training.lr`); a config file's
+keys stand at the top level or in their section's `[table]`. Validation runs once, at the edge
 (`resolve_config`), and every failure is a `UsageError` whose one line names the flag and the fix.
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
 import difflib
 import hashlib
 import importlib
-import math
 import os
 import sys
 import tomllib
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ddptrain.cliargs import ArgParser, Switch
+from ddptrain.cliargs import FALSE, TRUE
 from ddptrain.errors import UsageError
-from ddptrain.faults import FaultSpec
+from ddptrain.settings import (BUILTIN_DATASETS, BUILTIN_MODELS, BUILTIN_TASKS, FIELDS, FILE_DATASETS, LORA_INITS,
+                               OWNER, SECTIONS, TEXT_DATASETS, TRACKERS, CheckpointSettings, DataSettings, EvalSettings,
+                               FinetuneSettings, ObserveSettings, ParallelSettings, PerformanceSettings, Section,
+                               TrainingSettings, choices, parse_duration, parse_trackers, value_type)
+
+__all__ = ["BUILTIN_DATASETS", "BUILTIN_MODELS", "BUILTIN_TASKS", "FILE_DATASETS", "LORA_INITS", "SECTIONS",
+           "TEXT_DATASETS", "TRACKERS", "CheckpointSettings", "DataSettings", "EvalSettings", "FinetuneSettings",
+           "ObserveSettings", "ParallelSettings", "PerformanceSettings", "TrainConfig", "TrainingSettings", "choices",
+           "load_plugin", "load_toml", "parse_duration", "parse_trackers", "resolve_config", "settings_digest",
+           "setting_changes", "to_toml"]
 
 
-def opt(default: Any, help: str, *, choices: tuple | None = None, min: float | None = None,
-        group: str = "training") -> Any:
-    """A config field: its default plus what the flag generator and validator need to know."""
-    return field(default=default, metadata={"help": help, "choices": choices, "min": min, "group": group})
-
-
-@dataclass
+@dataclass(init=False)
 class TrainConfig:
-    # --- model and data -------------------------------------------------------------------------
-    task: str = opt("classification", "what a step computes: classification, regression, language_model, or "
-                    "plug-in 'pkg.mod:fn' with fn(cfg) -> an object with loss(model, batch)", group="model and data")
-    model: str = opt("mini_resnet", "model: built-in name (mini_resnet, mlp, gpt), plug-in 'pkg.mod:fn' with "
-                     "fn(cfg) -> nn.Module, or 'hf:NAME_OR_DIR', a transformers model for the task (a directory "
-                     "with weights, or with a config.json alone: fresh weights)", group="model and data")
-    dataset: str = opt("synthetic", "dataset: built-in name (synthetic, cifar10, cifar100, imagefolder, "
-                       "digits, pydoc, tokens), plug-in 'pkg.mod:fn' with fn(cfg) -> (train_ds, eval_ds | None), "
-                       "or 'hf:PATH', records of a JSON lines or Parquet file or a datasets.save_to_disk "
-                       "directory, tokenized with --tokenizer", group="model and data")
-    data_dir: str = opt("", "directory of a file-based dataset (cifar10, cifar100, imagefolder, tokens)",
-                        group="model and data")
-    tokenizer: str = opt("", "a Hugging Face tokenizer directory (tokenizer.json, or what save_pretrained "
-                         "writes) for --dataset hf:PATH and `ddptrain prepare-text --tokenizer`", group="model and data")
-    text_field: str = opt("text", "hf datasets: the field holding the text (language_model without "
-                          "--prompt_field; classification)", group="model and data")
-    prompt_field: str = opt("", "hf datasets, language_model: the field of the prompt, which is masked from the "
-                            "loss (labels -100); with --response_field (unset: the records' prompt and completion "
-                            "fields, where they have both and no --text_field)", group="model and data")
-    response_field: str = opt("", "hf datasets, language_model: the field of the response the model learns",
-                              group="model and data")
-    label_field: str = opt("label", "hf datasets, classification: the field of the class index",
-                           group="model and data")
-    messages_field: str = opt("messages", "hf datasets, language_model: the field of chat records (a list of "
-                              "{role, content}), formatted with the tokenizer's chat template; read when the "
-                              "records have it and neither --text_field nor prompt and completion",
-                              group="model and data")
-    train_on: str = opt("assistant", "chat records: the tokens the loss is on (assistant: the assistant's turns "
-                        "only; all: every token)", choices=("assistant", "all"), group="model and data")
-    chat_template: str = opt("", "chat records: a jinja chat template file to format them with instead of "
-                             "--tokenizer's own (e.g. one whose {% generation %} marks say what is learnt)",
-                             group="model and data")
-    eval_data: str = opt("", "hf datasets: a held-out file or directory in the same format (default: the "
-                         "dataset's own validation or test split, if it has one)", group="model and data")
-    pad_token_id: int = opt(-1, "the token id padding gets in variable-length batches (-1: the tokenizer's pad "
-                            "token, else its end-of-text token, else 0)", min=-1, group="model and data")
-    top_k: int = opt(0, "classification: also report top-k accuracy for this k (0 = top-1 only)", min=0,
-                     group="model and data")
-    seq_len: int = opt(128, "language_model: tokens per training sequence (the model's context)", min=2,
-                       group="model and data")
-    packing: bool = opt(False, "language_model: place variable-length rows (hf: records, a plug-in's token rows) "
-                        "into bins of --seq_len tokens instead of padding each batch, every document kept apart "
-                        "(positions restart, no attention across documents): the same loss, without the padding; "
-                        "--dataset tokens: each window's documents kept apart",
-                        group="model and data")
-    vocab_size: int = opt(256, "gpt: vocabulary size (256 = bytes; token files say theirs)", min=2,
-                          group="model and data")
-    num_layers: int = opt(4, "gpt: transformer blocks", min=1, group="model and data")
-    num_heads: int = opt(4, "gpt: attention heads per block (width must divide by it)", min=1,
-                         group="model and data")
-    num_classes: int = opt(10, "number of classes", min=2, group="model and data")
-    in_channels: int = opt(3, "image channels", min=1, group="model and data")
-    image_size: int = opt(32, "image height and width in pixels", min=4, group="model and data")
-    dataset_size: int = opt(10000, "training samples of the synthetic dataset", min=1, group="model and data")
-    eval_size: int = opt(1000, "eval samples of the synthetic dataset (0 = no eval split)", min=0,
-                         group="model and data")
-    width: int = opt(64, "model width: MiniResNet stages use width, 2*width, 4*width channels; mlp's hidden "
-                     "size", min=1, group="model and data")
-    norm: str = opt("batch", "MiniResNet normalisation layer", choices=("batch", "group", "none"),
-                    group="model and data")
-    sync_batchnorm: bool = opt(False, "convert BatchNorm to SyncBatchNorm (CUDA only)", group="model and data")
-    num_workers: int = opt(4, "data loader worker processes per rank (0 = load in the training process)",
-                           min=0, group="model and data")
+    """A run's settings: one section per component (`cfg.data`, `cfg.training`, `cfg.parallel`, ...; the classes
+    in settings.py), each typed and checking its own fields.
 
-    # --- fine-tuning ----------------------------------------------------------------------------
-    lora_rank: int = opt(0, "train LoRA adapters of this rank beside the frozen model (peft; 0 = train every "
-                         "weight); checkpoints hold the adapters only, RUN_DIR/adapter/ is PEFT's layout", min=0,
-                         group="fine-tuning")
-    lora_alpha: float = opt(16.0, "LoRA: the update is scaled by lora_alpha / lora_rank", min=0.0,
-                            group="fine-tuning")
-    lora_dropout: float = opt(0.0, "LoRA: dropout on the adapters' input", min=0.0, group="fine-tuning")
-    lora_targets: str = opt("", "LoRA: comma-separated names of the layers to adapt (linear layers, e.g. "
-                            "q_proj,v_proj; embeddings, e.g. embed_tokens), or all-linear (peft's: every linear layer "
-                            "but the output head); empty = every linear layer inside the model's blocks",
-                            group="fine-tuning")
-    lora_modules_to_save: str = opt("", "LoRA: comma-separated names of modules trained in full beside the adapters "
-                                    "and saved with them (peft's modules_to_save; e.g. embed_tokens,lm_head after "
-                                    "adding chat tokens); --strategy ddp", group="fine-tuning")
-    lora_rslora: bool = opt(False, "LoRA: rsLoRA, the update scaled by lora_alpha / sqrt(lora_rank) (peft's "
-                            "use_rslora)", group="fine-tuning")
-    lora_dora: bool = opt(False, "LoRA: DoRA, a trained magnitude per output beside the low-rank direction (peft's "
-                          "use_dora); --strategy ddp", group="fine-tuning")
-    lora_init: str = opt("true", "LoRA: the adapters' init (peft's init_lora_weights): true (B zero: the model "
-                         "starts as the base), gaussian (A normal), orthogonal (--strategy ddp, even rank), false "
-                         "(B random too: the adapters change the model from the start)", group="fine-tuning")
+    A setting is also read and written by its own name (`cfg.lr` is `cfg.training.lr`), the name its flag, config
+    key and `fit` argument have, and `TrainConfig(lr=0.1, nproc=2)` builds one from such names (or from whole
+    sections: `TrainConfig(training=...)`). `replace` is `dataclasses.replace` by those names.
+    """
 
-    # --- batch and schedule ---------------------------------------------------------------------
-    batch_size: int = opt(64, "micro-batch size per process; global batch = batch_size * world size * "
-                          "grad_accum_steps", min=1)
-    grad_accum_steps: int = opt(1, "micro-batches per optimizer step (gradients reduced on the last only; see "
-                                "--fsdp_reduce_every_micro_step)", min=1)
-    epochs: int = opt(10, "passes over the training data (unless --max_steps is given)", min=1)
-    max_steps: int = opt(0, "train this many optimizer steps, however many epochs that takes (0 = --epochs "
-                         "decides)", min=0)
-    optimizer: str = opt("sgd", "optimizer", choices=("sgd", "adamw"))
-    lr: float = opt(0.01, "peak learning rate", min=0.0)
-    momentum: float = opt(0.9, "SGD momentum (AdamW: beta1)", min=0.0)
-    weight_decay: float = opt(1e-4, "weight decay", min=0.0)
-    decay_all: bool = opt(False, "adamw: also decay biases, norm weights and embeddings (default: not, the "
-                          "transformers convention); sgd always decays every parameter")
-    lr_schedule: str = opt("constant", "learning-rate schedule after warmup: constant, cosine (to --min_lr), "
-                           "linear (to --min_lr)", choices=("constant", "cosine", "linear"))
-    warmup_steps: int = opt(0, "linear warmup from 0 to lr over this many optimizer steps", min=0)
-    warmup_ratio: float = opt(0.0, "linear warmup over this share of the run's optimizer steps (instead of "
-                              "--warmup_steps)", min=0.0)
-    min_lr: float = opt(0.0, "final learning rate of the cosine and linear schedules", min=0.0)
-    scale_lr: bool = opt(False, "linear scaling rule: lr *= global_batch_size / base_batch_size")
-    base_batch_size: int = opt(256, "global batch size that --lr was tuned for (used by --scale_lr)", min=1)
-    grad_clip: float = opt(0.0, "clip the global gradient norm to this value (0 = no clipping)", min=0.0)
-    use_amp: bool = opt(False, "automatic mixed precision (autocast; bf16 on CPU)")
-    amp_dtype: str = opt("bf16", "autocast dtype; fp16 adds a GradScaler and needs CUDA", choices=("bf16", "fp16"))
-    max_skipped_steps: int = opt(25, "with --on_nonfinite skip: fail the run after this many updates in a row were "
-                                 "skipped (0 = never)", min=0)
-    on_nonfinite: str = opt("skip", "when the global gradient norm is NaN/inf: skip the update, or stop",
-                            choices=("skip", "stop"))
-    seed: int = opt(42, "seed for model init, data order and augmentation", min=0)
+    data: DataSettings
+    finetune: FinetuneSettings
+    training: TrainingSettings
+    parallel: ParallelSettings
+    checkpoint: CheckpointSettings
+    eval: EvalSettings
+    observe: ObserveSettings
+    performance: PerformanceSettings
 
-    # --- distributed ----------------------------------------------------------------------------
-    backend: str = opt("auto", "process-group backend: auto = nccl with CUDA, gloo without",
-                       choices=("auto", "nccl", "gloo"), group="distributed")
-    nproc: int = opt(0, "local launcher: start this many worker processes through torch's elastic agent "
-                     "(0 = run in this process)", min=0, group="distributed")
-    max_restarts: int = opt(0, "local launcher: restart all workers this many times after a failure; "
-                            "they resume from the newest checkpoint", min=0, group="distributed")
-    init_timeout_s: float = opt(900.0, "timeout of rendezvous and collectives until the first step ends",
-                                min=1.0, group="distributed")
-    collective_timeout_s: float = opt(300.0, "timeout of each collective after the first step", min=1.0,
-                                      group="distributed")
-    checkpoint_timeout_s: float = opt(900.0, "how long every rank waits for a checkpoint to be written and "
-                                      "committed (the watchdog allows the checkpoint phase as long)", min=1.0,
-                                      group="distributed")
-    hang_timeout_s: float = opt(600.0, "watchdog: a rank with no progress for this long dumps its stacks and "
-                                "fails the job (0 = off)", min=0.0, group="distributed")
-    strategy: str = opt("ddp", "how the model is spread: ddp = a full replica per rank; fsdp = parameters, "
-                        "gradients and optimizer state sharded over all ranks (FSDP2); hsdp = sharded within "
-                        "a node, replicated across nodes", choices=("ddp", "fsdp", "hsdp"), group="distributed")
-    fsdp_blocks: str = opt("", "fsdp/hsdp: the module classes sharded as one unit each, comma-separated class "
-                           "names, or 'pkg.mod:fn' returning the modules (default: the model's fsdp_blocks)",
-                           group="distributed")
-    fsdp_reduce_every_micro_step: bool = opt(False, "fsdp/hsdp with --grad_accum_steps > 1: reduce-scatter the "
-                                             "gradients on every micro-step, so between micro-steps a rank holds "
-                                             "only its 1/N shard of them, not the whole model's unsharded fp32 "
-                                             "gradients; costs one reduce-scatter per micro-step instead of one "
-                                             "per step (hsdp: the cross-node all-reduce too). No effect with "
-                                             "--grad_accum_steps 1", group="distributed")
-    param_dtype: str = opt("fp32", "fsdp/hsdp: the weights' own dtype: shards, gradients and optimizer state (bf16 "
-                           "halves each; the optimizer then updates bf16 weights, so an update below half a weight's "
-                           "bf16 spacing is lost). fp32 master weights with bf16 compute: --param_dtype fp32 "
-                           "--use_amp", choices=("fp32", "bf16"), group="distributed")
-    reduce_dtype: str = opt("fp32", "fsdp/hsdp: the dtype gradients are reduce-scattered (hsdp: and all-reduced) and "
-                            "accumulated between micro-steps in; bf16 halves those bytes, fp32 sums exactly-rounded "
-                            "once (also under bf16 weights)", choices=("fp32", "bf16"), group="distributed")
-    reshard_after_forward: bool = opt(True, "fsdp/hsdp: free each block's gathered parameters after its forward and "
-                                      "gather them again in backward (ZeRO-3); --no-reshard_after_forward keeps "
-                                      "them from forward to backward (ZeRO-2-like): one all-gather per block per "
-                                      "step instead of two, the whole model's parameters held meanwhile. Same "
-                                      "result", group="distributed")
-    vocab_parallel: bool = opt(True, "fsdp: each rank keeps its rows of the input embedding and output head and "
-                               "never gathers them; the activations travel instead (parallel/vocab.py). "
-                               "--no-vocab_parallel makes them FSDP units like the blocks. Not under hsdp",
-                               group="distributed")
-    cpu_offload: bool = opt(False, "fsdp/hsdp: keep parameter shards, gradients and optimizer state in host memory "
-                            "(FSDP2 CPUOffloadPolicy): each block is copied to the device for its compute, the "
-                            "optimizer steps on the CPU. Same result, slower", group="distributed")
-    bucket_cap_mb: float = opt(25.0, "DDP gradient bucket size in MiB", min=0.0, group="distributed")
-    static_graph: bool = opt(False, "tell DDP the graph is the same every step (not with --grad_accum_steps > 1)",
-                             group="distributed")
-    find_unused_parameters: bool = opt(False, "let DDP train a model whose loss leaves some parameters unused in "
-                                       "a step (an auxiliary head, a branch taken only sometimes); costs a walk "
-                                       "of the autograd graph every step. Without it such a model is refused "
-                                       "before the first step, naming the parameters", group="distributed")
-    gradient_as_bucket_view: bool = opt(True, "gradients alias DDP's buckets (saves a copy and memory)",
-                                        group="distributed")
-    control_interval: int = opt(10, "agree on preemption and timed saves every N steps (one tiny CPU "
-                                "all-gather; a signal is acted on within N + 1 steps)", min=1, group="distributed")
+    def __init__(self, **values: Any) -> None:
+        given = {name: values.pop(name) for name in SECTIONS if name in values}
+        unknown = sorted(set(values) - FIELDS.keys())
+        if unknown:
+            raise TypeError(f"TrainConfig got unknown settings {', '.join(unknown)}")
+        for table, kind in SECTIONS.items():
+            own = {name: value for name, value in values.items() if OWNER[name] == table}
+            section = given.get(table)
+            object.__setattr__(self, table, dataclasses.replace(section, **own) if section is not None else kind(**own))
 
-    # --- run dir and checkpoints ----------------------------------------------------------------
-    run_dir: str = opt("", "run directory (default runs/<config file stem>, or runs/default); keep it the "
-                       "same across restarts so resume finds it", group="checkpoints")
-    checkpoint_dir: str = opt("", "checkpoint directory (default RUN_DIR/checkpoints)", group="checkpoints")
-    save_every: int = opt(1, "save a checkpoint every N epochs (0 = not by epoch)", min=0, group="checkpoints")
-    save_every_steps: int = opt(0, "save a checkpoint every N optimizer steps (0 = off)", min=0,
-                                group="checkpoints")
-    save_every_minutes: float = opt(0.0, "save a checkpoint every N minutes of wall time (0 = off)", min=0.0,
-                                    group="checkpoints")
-    keep_last: int = opt(3, "keep this many committed checkpoints (0 = keep all)", min=0, group="checkpoints")
-    resume_from: str = opt("", "checkpoint dir to resume from (default: newest committed one in "
-                           "checkpoint_dir, if any)", group="checkpoints")
-    accept_config_change: bool = opt(False, "resume even though training settings (model, data, optimizer, "
-                                     "lr, seed, ...) differ from the checkpoint's; by default such a resume is "
-                                     "refused (exit 2)", group="checkpoints")
-    auto_resume: bool = opt(True, "resume from the newest committed checkpoint in checkpoint_dir",
-                            group="checkpoints")
-    async_checkpoint: bool = opt(False, "write checkpoints in a background thread", group="checkpoints")
+    def __getattr__(self, name: str) -> Any:
+        table = OWNER.get(name)
+        if table is None or table not in self.__dict__:  # (not a setting; or a copy not yet filled in)
+            raise AttributeError(f"TrainConfig has no setting {name!r}")
+        return getattr(self.__dict__[table], name)
 
-    # --- evaluation, stopping, callbacks ---------------------------------------------------------
-    eval_every_steps: int = opt(0, "also evaluate every N optimizer steps (0 = at each epoch's end only; a stream: "
-                                "at the end only)", min=0, group="evaluation and stopping")
-    early_stop_metric: str = opt("", "stop when this eval metric (loss, accuracy, ...) has not improved for "
-                                 "--early_stop_patience evaluations (empty = off)", group="evaluation and stopping")
-    early_stop_patience: int = opt(3, "early stopping: evaluations without improvement before the stop", min=1,
-                                   group="evaluation and stopping")
-    early_stop_mode: str = opt("min", "early stopping: whether lower or higher values of the metric are better",
-                               choices=("min", "max"), group="evaluation and stopping")
-    early_stop_min_delta: float = opt(0.0, "early stopping: the least change that counts as an improvement",
-                                      min=0.0, group="evaluation and stopping")
-    keep_best: str = opt("", "keep the checkpoint with the best value of this eval metric (loss, accuracy, ...) as "
-                         "CHECKPOINT_DIR/best, apart from --keep_last (empty = off)",
-                         group="evaluation and stopping")
-    keep_best_mode: str = opt("min", "--keep_best: whether lower or higher values of the metric are better",
-                              choices=("min", "max"), group="evaluation and stopping")
-    load_best_at_end: bool = opt(False, "--keep_best: the final weights (model.safetensors, RUN_DIR/hf, RUN_DIR/adapter, "
-                                 "model_ema.safetensors) are the best checkpoint's, not the last step's; the weights "
-                                 "best/best.json names (the average for an ema_ metric)",
-                                 group="evaluation and stopping")
-    ema_decay: float = opt(0.0, "keep an exponential moving average of the parameters with this decay (e.g. 0.999; "
-                            "0 = off), saved in checkpoints and exported as RUN_DIR/model_ema.safetensors", min=0.0,
-                            group="evaluation and stopping")
-    ema_eval: bool = opt(False, "--ema_decay: also evaluate the average at each evaluation (ema_loss, "
-                         "ema_accuracy, ... in the eval line)", group="evaluation and stopping")
-    max_time: str = opt("", "save and exit with code 75 (rerun to continue) once this much wall time has passed "
-                        "since the launch: seconds or [D-]HH:MM:SS, below the scheduler's limit by the time a save "
-                        "takes (empty = no limit)", group="evaluation and stopping")
-    callbacks: str = opt("", "comma-separated plug-ins 'pkg.mod:fn', each fn() -> a callback object "
-                         "(see docs/callbacks.md)", group="evaluation and stopping")
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in OWNER:  # (a section is frozen: the config holds a new one, a component keeps what it was given)
+            object.__setattr__(self, OWNER[name], dataclasses.replace(getattr(self, OWNER[name]), **{name: value}))
+        else:
+            object.__setattr__(self, name, value)
 
-    # --- observability --------------------------------------------------------------------------
-    log_interval: int = opt(10, "log train metrics every N optimizer steps", min=1, group="observability")
-    enable_profiling: bool = opt(False, "record a torch.profiler window and write a trace per rank to "
-                                 "RUN_DIR/traces/", group="observability")
-    profile_wait: int = opt(5, "profiler: steps to skip before warming up", min=0, group="observability")
-    profile_warmup: int = opt(2, "profiler: warmup steps (recorded, discarded)", min=0, group="observability")
-    profile_active: int = opt(3, "profiler: steps recorded into the trace", min=1, group="observability")
-    tensorboard: bool = opt(False, "write TensorBoard events to RUN_DIR/tb/ (needs the tensorboard package)",
-                            group="observability")
-    tracker: str = opt("", "experiment trackers rank 0 sends every metrics line to, comma-separated: mlflow, "
-                       "wandb, tensorboard (= --tensorboard); one tracker run per run dir (docs/trackers.md)",
-                       group="observability")
-    mlflow_tracking_uri: str = opt("", "--tracker mlflow: the tracking server or store (default: "
-                                   "MLFLOW_TRACKING_URI, else MLflow's default)", group="observability")
-    mlflow_experiment: str = opt("", "--tracker mlflow: the experiment (default: MLFLOW_EXPERIMENT_NAME, else "
-                                 "'ddptrain')", group="observability")
-    wandb_project: str = opt("", "--tracker wandb: the project (default: WANDB_PROJECT, else 'ddptrain')",
-                             group="observability")
-    tracker_run_name: str = opt("", "the tracker run's name (default: the run dir's name)", group="observability")
-    tracker_log_model: bool = opt(False, "at the end of a finished run, send model.safetensors and config.toml to "
-                                  "the trackers as artifacts", group="observability")
-    progress: bool = opt(True, "progress bar on rank 0 (only when stderr is a terminal)", group="observability")
-    peak_tflops: float = opt(0.0, "per-device peak TFLOP/s for MFU (0 = known GPU table, else no MFU)",
-                             min=0.0, group="observability")
-    straggler_skew: float = opt(1.5, "name a rank as straggler when its step time exceeds the median by this "
-                                "factor at 3 log steps in a row", min=1.0, group="observability")
-    record_sample_ids: bool = opt(False, "write the sample ids of every step to RUN_DIR/samples/rank-R.jsonl",
-                                  group="observability")
-    inject_fault: str = opt("", "fault injection for tests and chaos runs, e.g. 'rank=1,step=5,kind=sigkill' "
-                            "(see docs/checkpoints.md; also DDPTRAIN_FAULT)", group="observability")
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with `changes` (settings by name) applied; this one is left as it is."""
+        return TrainConfig(**{**self.to_dict(), **changes})
 
-    # --- performance ----------------------------------------------------------------------------
-    activation_checkpointing: bool = opt(False, "recompute each block's activations in backward instead of "
-                                         "keeping them (the blocks FSDP shards: --fsdp_blocks, the model's "
-                                         "fsdp_blocks, a transformers model's own), under ddp and fsdp",
-                                         group="performance")
-    channels_last: bool = opt(False, "channels_last memory format for model and inputs", group="performance")
-    compile: bool = opt(False, "torch.compile the model (under fsdp/hsdp each block, before it is sharded)",
-                        group="performance")
-
-    # ----------------------------------------------------------------------------------------------
     @property
     def checkpoint_path(self) -> Path:
         return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.run_dir) / "checkpoints"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every setting by name, section by section: what a checkpoint records and `TrainConfig(**...)` reads."""
+        return {name: getattr(self, name) for name in FIELDS}
 
-    def section(self, name: str) -> Any:
-        """One section's settings (a [table] of SECTIONS: "checkpoint", "parallel", ...) as a frozen object of
-        their own, for a component built from its section alone."""
+    def section(self, name: str) -> Section:
+        """One component's settings by its [table] name ("data", "parallel", ...): a component is built from it
+        alone."""
         if name not in SECTIONS:
             raise KeyError(f"no section {name!r}; the sections are {', '.join(SECTIONS)}")
-        return _SECTION_TYPES[name](**{key: getattr(self, key) for key in section_fields(name)})
+        return getattr(self, name)
 
     def trains_a_transformer(self) -> bool:
         """A language model (--task language_model) or any `hf:` model: trained with `transformer_defaults`."""
@@ -335,8 +116,7 @@ class TrainConfig:
         it decided. Only under SGD, whose rule it is: AdamW (a fine-tune's) does not scale linearly. None as
         well under --scale_lr, or at the base batch.
         """
-        defaults = TrainConfig.__dataclass_fields__
-        chosen = self.lr != defaults["lr"].default or self.base_batch_size != defaults["base_batch_size"].default
+        chosen = self.lr != FIELDS["lr"].default or self.base_batch_size != FIELDS["base_batch_size"].default
         if self.scale_lr or self.optimizer != "sgd" or global_batch_size == self.base_batch_size or not chosen:
             return None
         factor = global_batch_size / self.base_batch_size
@@ -350,7 +130,7 @@ class TrainConfig:
         (`transformer_defaults`), --tracker tensorboard turns --tensorboard on, and a --resume_from that names
         `checkpoints/step-N` of the run dir (not found from here) is that path."""
         if given is None:
-            given = {f.name for f in fields(self) if getattr(self, f.name) != f.default}
+            given = {name for name, f in FIELDS.items() if getattr(self, name) != f.default}
         self.given = given  # (not a setting: what set them, for a `fit` that settles this config again)
         if self.trains_a_transformer():
             defaults = self.transformer_defaults()  # (read before any is set: the lr depends on lora_rank only)
@@ -364,117 +144,29 @@ class TrainConfig:
             self.resume_from = str(Path(self.run_dir) / self.resume_from)
 
     def validate(self) -> None:
-        """Check every field and the combinations; raise UsageError naming the flag and the fix.
+        """Each section's own rules, then those that join two sections; a UsageError names the flag and the fix.
 
         The config alone, changed in nothing: `preflight.check` checks devices, plug-ins, files, packages and
         checkpoints against it.
         """
-        for f in fields(self):
-            value = getattr(self, f.name)
-            meta = f.metadata
-            if isinstance(value, float) and not math.isfinite(value):
-                raise UsageError(f"--{f.name} must be a finite number (got {value})")
-            if meta["choices"] and value not in meta["choices"]:
-                raise UsageError(f"--{f.name}: {value!r} is not one of {', '.join(meta['choices'])}")
-            if meta["min"] is not None and value < meta["min"]:
-                raise UsageError(f"--{f.name} must be >= {meta['min']:g} (got {value})")
+        for table in SECTIONS:
+            self.section(table).validate()
         if self.sync_batchnorm and self.backend == "gloo":
             raise UsageError(SYNC_BATCHNORM_ON_CPU)
         if self.strategy != "ddp":
             for flag, value, why in (("amp_dtype fp16", self.use_amp and self.amp_dtype == "fp16",
                                       "use --amp_dtype bf16 (FSDP's policy: bf16 compute, fp32 reduction)"),
-                                     ("static_graph", self.static_graph, "it is a DDP setting; drop it"),
-                                     ("find_unused_parameters", self.find_unused_parameters,
-                                      "it is a DDP setting; drop it"),
                                      ("sync_batchnorm", self.sync_batchnorm, "it is a DDP setting; drop it")):
                 if value:
                     raise UsageError(f"--{flag} does not apply to --strategy {self.strategy}: {why}")
-        if self.strategy == "ddp":
-            for flag, value in (("param_dtype bf16", self.param_dtype != "fp32"),
-                                ("reduce_dtype bf16", self.reduce_dtype != "fp32"),
-                                ("no-reshard_after_forward", not self.reshard_after_forward),
-                                ("cpu_offload", self.cpu_offload)):
-                if value:
-                    raise UsageError(f"--{flag} applies to --strategy fsdp or hsdp (ddp keeps a whole fp32 replica "
-                                     "per rank; --use_amp computes in bf16); drop the flag or pass --strategy fsdp")
-        if self.fsdp_reduce_every_micro_step and self.strategy == "ddp":
-            raise UsageError("--fsdp_reduce_every_micro_step applies to --strategy fsdp or hsdp (ddp holds whole "
-                             "gradients anyway); drop the flag or pass --strategy fsdp")
+            for flag in self.finetune.needs_whole_base():
+                raise UsageError(f"{flag} works with --strategy ddp only (under {self.strategy} no rank holds the "
+                                 "base's whole weights it is computed from); pass --strategy ddp")
         if self.static_graph and self.grad_accum_steps > 1:
             # DDP's static graph counts one gradient-ready hook per parameter per iteration; no_sync's
             # extra backward passes break that count (a torch internal assert, reproduced on 2.13).
             raise UsageError("--static_graph cannot be combined with --grad_accum_steps > 1 (DDP's static graph "
                              "does not support no_sync accumulation); drop one of the two flags")
-        if self.dataset in FILE_DATASETS and not self.data_dir:
-            raise UsageError(f"--dataset {self.dataset} reads files: pass --data_dir DIR")
-        if self.enable_profiling and self.profile_active < 1:
-            raise UsageError("--profile_active must be >= 1")
-        _check_inject_fault(self.inject_fault)
-        if self.max_time:
-            parse_duration(self.max_time, "--max_time")
-        if self.warmup_steps and self.warmup_ratio:
-            raise UsageError(f"--warmup_steps {self.warmup_steps} and --warmup_ratio {self.warmup_ratio:g} both say how "
-                             "long to warm up; pass one")
-        if self.warmup_ratio >= 1.0:
-            raise UsageError(f"--warmup_ratio {self.warmup_ratio:g}: must be below 1 (a share of the run's steps)")
-        if self.lora_dropout >= 1.0:
-            raise UsageError(f"--lora_dropout {self.lora_dropout}: must be below 1 (0 = no dropout)")
-        self._validate_lora()
-        if self.ema_decay >= 1.0:
-            raise UsageError(f"--ema_decay {self.ema_decay}: must be below 1 (0.999 averages over ~1000 steps; 0 is off)")
-        if self.packing and self.task != "language_model":
-            raise UsageError(f"--packing places token rows for --task language_model, not --task {self.task}; drop "
-                             "--packing")
-        if self.packing and self.dataset == "pydoc":
-            raise UsageError("--packing keeps documents apart; --dataset pydoc is one text with no document ends and "
-                             "no padding to save: drop --packing")
-        if self.load_best_at_end and not self.keep_best:
-            raise UsageError("--load_best_at_end loads the checkpoint --keep_best keeps, which is off; set --keep_best "
-                             "(e.g. loss)")
-        if self.ema_eval and not self.ema_decay:
-            raise UsageError("--ema_eval evaluates the moving average of --ema_decay, which is off; set --ema_decay "
-                             "(e.g. 0.999)")
-        parse_trackers(self.tracker)  # an unknown tracker's name is a UsageError
-        if self.model == "gpt" and self.width % self.num_heads:
-            raise UsageError(f"--width {self.width} must be a multiple of --num_heads {self.num_heads} for --model gpt")
-        for flag, builtins in (("task", BUILTIN_TASKS), ("model", BUILTIN_MODELS), ("dataset", BUILTIN_DATASETS)):
-            name = getattr(self, flag)
-            if flag != "task" and name.startswith("hf:"):
-                continue  # a name, a file or a directory: checked by preflight and the builders
-            if ":" not in name and name not in builtins:
-                raise UsageError(f"--{flag} {name!r}: not a built-in ({', '.join(builtins)}) nor a 'pkg.mod:fn' "
-                                 "plug-in")
-
-    def _validate_lora(self) -> None:
-        """The [finetune] section's LoRA options (what peft offers that ddptrain can save, merge and shard)."""
-        given = [flag for flag, on in (("--lora_targets", self.lora_targets), ("--lora_dropout", self.lora_dropout),
-                                       ("--lora_modules_to_save", self.lora_modules_to_save),
-                                       ("--lora_rslora", self.lora_rslora), ("--lora_dora", self.lora_dora),
-                                       ("--lora_init", self.lora_init != "true")) if on]
-        if given and not self.lora_rank:
-            raise UsageError(f"{'/'.join(given)} configure{'s' if len(given) == 1 else ''} LoRA adapters, which are "
-                             "off; set --lora_rank (e.g. 8)")
-        targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
-        if "all-linear" in targets and len(targets) > 1:
-            raise UsageError(f"--lora_targets {self.lora_targets}: all-linear stands alone (it names every linear "
-                             "layer but the output head); pass it alone or list the layers")
-        if self.lora_init.startswith(("pissa", "olora")):
-            raise UsageError(f"--lora_init {self.lora_init} rewrites the base weights, which ddptrain reads again "
-                             "from --model (to resume, merge, and for PEFT's load of RUN_DIR/adapter onto the base); "
-                             f"use one of {', '.join(LORA_INITS)}")
-        if self.lora_init not in LORA_INITS:
-            raise UsageError(f"--lora_init {self.lora_init}: not one of {', '.join(LORA_INITS)} (peft's eva, corda, "
-                             "lora_ga, loftq and mica inits need data or quantization passes ddptrain does not run)")
-        if self.lora_init == "orthogonal" and self.lora_rank % 2:
-            raise UsageError(f"--lora_init orthogonal needs an even --lora_rank (not {self.lora_rank})")
-        if self.strategy != "ddp":
-            # Each rank fills its own shards of a base built on the meta device; these compute their tensors
-            # from the base's whole weights (DoRA's magnitude, a module's copy) or outside the recorded init.
-            for flag, on in (("--lora_dora", self.lora_dora), ("--lora_modules_to_save", self.lora_modules_to_save),
-                             ("--lora_init orthogonal", self.lora_init == "orthogonal")):
-                if on:
-                    raise UsageError(f"{flag} works with --strategy ddp only (under {self.strategy} no rank holds the "
-                                     "base's whole weights it is computed from); pass --strategy ddp")
 
 
 def refuse_ignored(cfg: TrainConfig, given: set[str]) -> None:
@@ -489,14 +181,12 @@ def refuse_ignored(cfg: TrainConfig, given: set[str]) -> None:
         raise UsageError("--lora_alpha scales LoRA adapters, which are off; set --lora_rank (e.g. 8)")
 
 
-BUILTIN_MODELS = ("mini_resnet", "mlp", "gpt")
-# --lora_init: peft's init_lora_weights that leave the base as it is and draw from the seeded RNG.
-LORA_INITS = ("true", "gaussian", "orthogonal", "false")
 # torch's SyncBatchNorm syncs on CUDA, XPU, HPU and PrivateUse1 devices; of these, ddptrain trains on CUDA (nccl).
 # Anywhere else its forward would raise at the first step.
 SYNC_BATCHNORM_ON_CPU = ("--sync_batchnorm needs a device torch's SyncBatchNorm supports (CUDA, XPU, HPU or a "
                          "PrivateUse1 backend; ddptrain runs it on CUDA with nccl), not CPU/gloo: drop it, or use "
                          "--norm group for statistics that do not depend on the split")
+
 
 
 def names_plugin(flag: str, value: str) -> bool:
@@ -543,45 +233,6 @@ def settings_digest(cfg: TrainConfig) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
-FILE_DATASETS = ("cifar10", "cifar100", "imagefolder", "tokens")
-BUILTIN_DATASETS = ("synthetic", "digits", "pydoc") + FILE_DATASETS
-BUILTIN_TASKS = ("classification", "regression", "language_model")
-TEXT_DATASETS = ("pydoc", "tokens")  # token windows for language models (text.py)
-
-
-def _check_inject_fault(spec: str) -> None:
-    if spec:
-        FaultSpec.parse(spec, source="--inject_fault")
-
-
-TRACKERS = ("mlflow", "wandb", "tensorboard")
-
-
-def parse_trackers(value: str) -> list[str]:
-    """`--tracker mlflow,tensorboard` -> ["mlflow", "tensorboard"]; an unknown name is a UsageError."""
-    names = [name.strip() for name in value.split(",") if name.strip()]
-    for name in names:
-        if name not in TRACKERS:
-            raise UsageError(f"--tracker {name!r}: not a tracker ddptrain writes to; use {', '.join(TRACKERS)} "
-                             "(comma-separated)")
-    return names
-
-
-def parse_duration(text: str, flag: str) -> float:
-    """Seconds from "5400", "90:00", "1:30:00" or "2-00:00:00" (SLURM's --time forms with seconds)."""
-    try:
-        days, dash, clock = text.strip().rpartition("-")
-        parts = [float(p) for p in clock.split(":")]
-        if len(parts) > 3 or any(p < 0 for p in parts) or (dash and (not days or len(parts) != 3)):
-            raise ValueError
-        seconds = sum(p * 60 ** i for i, p in enumerate(reversed(parts))) + 86400 * float(days or 0)
-    except ValueError:
-        raise UsageError(f"{flag} {text!r}: give seconds (5400) or [D-]HH:MM:SS (1:30:00)") from None
-    if not seconds > 0 or not math.isfinite(seconds):
-        raise UsageError(f"{flag} {text!r}: must be more than 0 seconds")
-    return seconds
-
-
 def load_plugin(ref: str, flag: str) -> Callable:
     """Import 'pkg.mod:fn' and return fn; any failure is a UsageError naming the flag."""
     module_name, _, attr = ref.partition(":")
@@ -600,33 +251,14 @@ def load_plugin(ref: str, flag: str) -> Callable:
     return fn
 
 
+
+
 # --- TOML ----------------------------------------------------------------------------------------
 
-_FIELD_TYPES = {f.name: f.type for f in fields(TrainConfig)}
-_PY_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
-
-# The sections of the settings: a config file's [table] -> the group of flags it holds (`--help`'s groups). A key
-# may stand at the top level (as every file written before sections did) or in its section's table.
-SECTIONS = {"data": "model and data", "finetune": "fine-tuning", "training": "training",
-            "parallel": "distributed", "checkpoint": "checkpoints", "eval": "evaluation and stopping",
-            "observe": "observability", "performance": "performance"}
-_SECTION_OF = {f.name: next(t for t, g in SECTIONS.items() if g == f.metadata["group"]) for f in fields(TrainConfig)}
-
-
-def section_fields(section: str) -> list[str]:
-    """The config keys of one section (a table name of SECTIONS), in declaration order."""
-    return [name for name, owner in _SECTION_OF.items() if owner == section]
-
-
-_SECTION_TYPES = {name: make_dataclass(f"{name.title()}Settings", [(key, Any) for key in section_fields(name)],
-                                       frozen=True) for name in SECTIONS}
-# The sections a component is built from, by name (a TrainConfig has every attribute of each, too).
-(DataSettings, FinetuneSettings, TrainingSettings, ParallelSettings, CheckpointSettings, EvalSettings, ObserveSettings,
- PerformanceSettings) = (_SECTION_TYPES[name] for name in SECTIONS)
-
-
-def _coerce(name: str, value: Any, source: str) -> Any:
-    want = _PY_TYPES[_FIELD_TYPES[name]]
+def coerce(name: str, value: Any, source: str) -> Any:
+    """A setting's value read from a config file or given to `fit`, as its field's type (an int where a float is
+    expected becomes that float); anything else is a UsageError naming `source` and the setting."""
+    want = value_type(SECTIONS[OWNER[name]], name)
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, want) or (want is int and isinstance(value, bool)):
@@ -646,14 +278,13 @@ def load_toml(path: str) -> dict[str, Any]:
         raise UsageError(f"--config {path}: malformed TOML ({exc})") from None
     out: dict[str, Any] = {}
     for key, value in _flattened(raw, path):
-        if key not in _FIELD_TYPES:
-            hint = difflib.get_close_matches(key, _FIELD_TYPES, n=1)
+        if key not in FIELDS:
+            hint = difflib.get_close_matches(key, FIELDS, n=1)
             fix = f"did you mean {hint[0]!r}?" if hint else "see `ddptrain train --help` for the keys"
             raise UsageError(f"--config {path}: unknown key {key!r}; {fix}")
         if key in out:
-            raise UsageError(f"--config {path}: {key} is set twice (at the top level and in [{_SECTION_OF[key]}]); "
-                             "keep one")
-        out[key] = _coerce(key, value, f"--config {path}")
+            raise UsageError(f"--config {path}: {key} is set twice (at the top level and in [{OWNER[key]}]); keep one")
+        out[key] = coerce(key, value, f"--config {path}")
     return out
 
 
@@ -668,9 +299,9 @@ def _flattened(raw: dict[str, Any], path: str) -> list[tuple[str, Any]]:
             raise UsageError(f"--config {path}: unknown table [{key}]; the sections are "
                              f"{', '.join(f'[{name}]' for name in SECTIONS)} (or keys at the top level)")
         for inner, inner_value in value.items():
-            if inner in _SECTION_OF and _SECTION_OF[inner] != key:
-                raise UsageError(f"--config {path}: {inner} belongs in [{_SECTION_OF[inner]}], not [{key}] (or at "
-                                 "the top level)")
+            if inner in OWNER and OWNER[inner] != key:
+                raise UsageError(f"--config {path}: {inner} belongs in [{OWNER[inner]}], not [{key}] (or at the top "
+                                 "level)")
             if isinstance(inner_value, dict):
                 raise UsageError(f"--config {path}: [{key}.{inner}]: sections hold keys, not tables")
             flat.append((inner, inner_value))
@@ -687,52 +318,28 @@ def toml_value(value: bool | int | float | str) -> str:
 
 
 def to_toml(cfg: TrainConfig) -> str:
-    """The resolved config as TOML that `--config` reads back unchanged."""
+    """The resolved config as TOML that `--config` reads back unchanged: one [table] per section."""
     lines = ["# Resolved ddptrain config (defaults < --config file < command line)."]
-    lines += [f"{f.name} = {toml_value(getattr(cfg, f.name))}" for f in fields(cfg)]
+    for table, section in SECTIONS.items():
+        lines += ["", f"[{table}]"] + [f"{f.name} = {toml_value(getattr(cfg, f.name))}"
+                                      for f in dataclasses.fields(section)]
     return "\n".join(lines) + "\n"
 
 
 # --- command line --------------------------------------------------------------------------------
 
-def _typed(name: str, kind: type) -> Callable[[str], Any]:
-    def convert(text: str) -> Any:
-        try:
-            return kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--{name} expects {kind.__name__}, got {text!r}") from None
-
-    convert.__name__ = kind.__name__
-    return convert
-
-
-def build_parser(prog: str = "ddptrain train") -> argparse.ArgumentParser:
-    """One flag per TrainConfig field (bool -> --x/--no-x), plus --config."""
-    parser = ArgParser(prog=prog, allow_abbrev=False, argument_default=argparse.SUPPRESS,
-                       description="Train on 1..N processes. Flags override --config, which overrides defaults.")
-    parser.add_argument("--config", metavar="FILE.toml", help="TOML file of config keys (flag names)")
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for f in fields(TrainConfig):
-        meta = f.metadata
-        grp = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
-        help_text = f"{meta['help']} (default: {f.default!r})".replace("%", "%%")  # argparse formats it
-        kind = _PY_TYPES[f.type]
-        if kind is bool:
-            grp.add_argument(f"--{f.name}", action=Switch, help=help_text)
-        else:
-            grp.add_argument(f"--{f.name}", type=_typed(f.name, kind), metavar=kind.__name__.upper(),
-                             help=help_text)
-    return parser
+DESCRIPTION = ("Train on 1..N processes. Flags override --config FILE.toml (settings by these names, at the top "
+               "level or in their section's [table]), which overrides the defaults. A switch is --x, --no-x, or "
+               "--x true/false.")
 
 
 def resolve_config(argv: list[str], *, validate: bool = True, prog: str = "ddptrain train") -> TrainConfig:
     """Defaults < TOML file < flags, then validation. The only way a TrainConfig is made from user input."""
-    args = vars(build_parser(prog).parse_args(argv))
-    config_file = args.pop("config", None)
+    argv, config_file = _config_file(list(argv))
     values = load_toml(config_file) if config_file else {}
-    values.update(args)
-    cfg = TrainConfig(**values)
-    given = set(values)
+    argv, flagged = _switches(argv, prog)
+    cfg = _parse(argv, TrainConfig(**values), prog)
+    given = set(values) | flagged
     if not cfg.run_dir:
         # Runs without a config file get a dir of their own per set of training settings: the same command run
         # again (a restart, a requeue) finds its checkpoints, another command does not train on top of them.
@@ -741,5 +348,86 @@ def resolve_config(argv: list[str], *, validate: bool = True, prog: str = "ddptr
     if validate:
         cfg.settle(given)
         cfg.validate()
-        refuse_ignored(cfg, set(args))
+        refuse_ignored(cfg, flagged)
     return cfg
+
+
+def _config_file(argv: list[str]) -> tuple[list[str], str]:
+    """`--config FILE` (or `--config=FILE`) taken out of `argv`: (the other arguments, FILE or "")."""
+    for i, arg in enumerate(argv):
+        if arg == "--config":
+            if i + 1 == len(argv):
+                raise UsageError("--config expects a TOML file; see `ddptrain train --help`")
+            return argv[:i] + argv[i + 2:], argv[i + 1]
+        if arg.startswith("--config="):
+            return argv[:i] + argv[i + 1:], arg.split("=", 1)[1]
+    return argv, ""
+
+
+def _switches(argv: list[str], prog: str) -> tuple[list[str], set[str]]:
+    """`argv` with every switch spelled as tyro reads it (`--x true` -> `--x`, `--x false` -> `--no-x`), and the
+    settings it names (what the command line decides, even at their default)."""
+    out, named, i = [], set(), 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        flag, eq, value = arg.partition("=")
+        negated = flag.startswith(("--no-", "--no_")) and flag[5:].replace("-", "_") in FIELDS
+        name = (flag[5:] if negated else flag[2:]).replace("-", "_")
+        if not flag.startswith("--") or name not in FIELDS:
+            out.append(arg)
+            continue
+        named.add(name)
+        if value_type(SECTIONS[OWNER[name]], name) is not bool:
+            out.append(arg)
+            continue
+        if not eq and i < len(argv) and not argv[i].startswith("-"):  # (every setting is a flag: this is its value)
+            value, eq, i = argv[i], "=", i + 1
+        if negated and eq:
+            raise UsageError(f"{flag} takes no value (got {value!r}); pass {flag}, or --{name} {value}")
+        if eq and value.lower() not in TRUE + FALSE:
+            raise UsageError(f"--{name} {value}: not true or false; pass --{name} (true), --no-{name} (false), or "
+                             f"--{name} false")
+        out.append(f"--{name}" if not negated and (not eq or value.lower() in TRUE) else f"--no-{name}")
+    return out, named
+
+
+def _parse(argv: list[str], defaults: TrainConfig, prog: str) -> TrainConfig:
+    """The flags in `argv` over `defaults`, parsed by tyro from the sections' types; a bad flag or value is a
+    UsageError of one line."""
+    import tyro  # (here, not at the top: only a command line needs it)
+
+    def one_line(event: Any) -> None:
+        raise UsageError(_complaint(event, prog))
+
+    try:
+        from tyro._errors import on_parse_error  # tyro's hook to take a parse failure over (tyro 1.0)
+    except ImportError:  # another tyro: its own report, exit 2 as well
+        hooked = contextlib.nullcontext()
+    else:
+        hooked = on_parse_error(one_line)
+    with hooked:
+        return tyro.cli(tyro.conf.OmitArgPrefixes[TrainConfig], args=argv, default=defaults, prog=prog,
+                        description=DESCRIPTION, use_underscores=True)
+
+
+def _complaint(event: Any, prog: str) -> str:
+    """One line for a tyro parse failure: the flag, what is wrong, and where to look."""
+    argument = getattr(event, "argument", None)
+    flag = argument.lowered.name_or_flags[0] if argument is not None else ""
+    kind = type(event).__name__
+    if kind == "UnrecognizedArgs":
+        unknown = event.tokens[0]
+        if not unknown.startswith("-"):
+            return f"unexpected argument {unknown!r} (every setting is a --flag VALUE); see `{prog} --help`"
+        hint = difflib.get_close_matches(unknown.split("=")[0].replace("-", "_").replace("__", "--"),
+                                         [f"--{name}" for name in FIELDS] + ["--config"], n=1)
+        return f"unknown flag {unknown}; " + (f"did you mean {hint[0]}?" if hint else f"see `{prog} --help`")
+    if kind == "InvalidChoice":
+        return f"{flag}: {event.value!r} is not one of {', '.join(event.choices)}"
+    if kind == "InstantiationFailure" and flag:
+        name = flag[2:]
+        return (f"{flag} expects {value_type(SECTIONS[OWNER[name]], name).__name__} ({event.message}); see "
+                f"`{prog} --help`")
+    if kind == "BadValue":
+        return f"{flag} expects a value; see `{prog} --help`"
+    return f"{getattr(event, 'message', kind)}; see `{prog} --help`"

@@ -21,7 +21,6 @@ still read (read.py) under any strategy, and exported.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
@@ -45,6 +44,7 @@ from ddptrain.config import setting_changes, to_toml
 from ddptrain.errors import UsageError
 from ddptrain.faults import FaultInjector
 from ddptrain.parallel.materialize import read_rows
+from ddptrain.settings import FIELDS
 
 FORMAT = "ddptrain-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -398,9 +398,8 @@ def keep_trained_with(cfg: Any) -> None:
     saved = _saved_config(path) if path is not None and getattr(cfg, "by_task", ()) else None
     if saved is None:
         return
-    declared = {f.name: f.default for f in dataclasses.fields(cfg)}
     for name in cfg.by_task:
-        setattr(cfg, name, saved.get(name, declared[name]))
+        setattr(cfg, name, saved.get(name, FIELDS[name].default))
 
 
 def refuse_changed_settings(cfg: Any) -> None:

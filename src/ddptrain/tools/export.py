@@ -42,6 +42,7 @@ from ddptrain.errors import UsageError
 from ddptrain.loop.callbacks import EMA
 from ddptrain.loop.plugins import model_of
 from ddptrain.models import hf, lora
+from ddptrain.settings import FIELDS
 
 FORMAT = "ddptrain-export/1"
 INDEX = "model.safetensors.index.json"  # HF's sharded layout (RUN_DIR/hf/ of a --strategy fsdp run)
@@ -147,7 +148,7 @@ def merge_adapters(config: dict, adapters: dict[str, torch.Tensor], frozen: dict
     own layers (as `merge_and_unload`: rsLoRA, DoRA, embeddings, --lora_modules_to_save), under the base model's
     own names. The base must be the one the adapters were trained on (the checkpoint's fingerprint of the
     frozen weights)."""
-    cfg = TrainConfig(**{k: v for k, v in config.items() if k in TrainConfig.__dataclass_fields__})
+    cfg = TrainConfig(**{k: v for k, v in config.items() if k in FIELDS})
     torch.manual_seed(cfg.seed)  # a base built from a config alone is the run's seeded init
     module = lora.apply(model_of(cfg), cfg.section("finetune"), cfg.model)
     module.load_state_dict(adapters, strict=False)
@@ -159,7 +160,7 @@ def merge_adapters(config: dict, adapters: dict[str, torch.Tensor], frozen: dict
 
 def export_hf(config: dict, weights: dict[str, torch.Tensor], checkpoint: Path, out_dir: Path) -> None:
     """The save_pretrained layout of a checkpoint of a transformers model (`--model hf:...`)."""
-    cfg = TrainConfig(**{k: v for k, v in config.items() if k in TrainConfig.__dataclass_fields__})
+    cfg = TrainConfig(**{k: v for k, v in config.items() if k in FIELDS})
     run_hf_dir = checkpoint.parent.parent / hf.HF_DIR  # the run of a transformers model wrote its config there
     if not hf.is_hf(cfg.model) and not (run_hf_dir / "config.json").is_file():
         raise UsageError(f"--hf: {checkpoint} is not of a transformers model (--model {cfg.model}, and its run dir "
