@@ -94,7 +94,7 @@ def train_steps(trainer: Trainer, batches: Any, steps: int) -> float:
     for _ in range(steps):
         trainer.train_step(batches)
         trainer.position.step += 1
-        trainer.state.parts["optim"].scheduler.step()
+        trainer.states["optim"].scheduler.step()
     sync_device(trainer.ctx.device)
     return time.perf_counter() - started
 

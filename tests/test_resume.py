@@ -303,7 +303,7 @@ def test_a_resume_keeps_the_optimizer_settings_it_finds_and_loads_the_checkpoint
     part = ModelState(fresh, fresh_optimizer, SimpleNamespace(sharded=False), SimpleNamespace(is_main=True),
                       lambda: None, "sgd", "linear", 0)
     fresh_optimizer.param_groups[0]["weight_decay"] = 0.123  # set by a user's code after the part was built
-    part.load(saved, None)
+    part.load_state_dict({"checkpoint": saved})
     assert fresh_optimizer.param_groups[0]["weight_decay"] == 0.123
     assert torch.equal(fresh.weight, module.weight)
     assert torch.equal(fresh_optimizer.state[fresh.weight]["momentum_buffer"], momentum)

@@ -1,5 +1,6 @@
-"""The checkpoint manager: every rank agrees on each save's outcome, one save in flight (async writer),
-retention of the run's own line, and which checkpoint a run resumes from.
+"""The checkpoint manager: the parts of a run (`Stateful`s, each owned by its component) saved and loaded
+back, every rank agreeing on each save's outcome, one save in flight (async writer), retention of the run's own
+line, and which checkpoint a run resumes from.
 
 Methods marked "all ranks" are collective. The files themselves are format.py's, the shards shards.py's.
 """
@@ -11,6 +12,7 @@ import logging
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -28,6 +30,7 @@ from ddptrain.checkpoints.format import (
     Position,
     Snapshot,
     _torch_bytes,
+    changed_settings_error,
     commit,
     committed_steps,
     file_digest,
@@ -39,6 +42,7 @@ from ddptrain.checkpoints.format import (
 )
 from ddptrain.checkpoints import shards
 from ddptrain.checkpoints.read import read_checkpoint
+from ddptrain.config import setting_changes
 from ddptrain.errors import TrainingError, UsageError
 from ddptrain.faults import FaultInjector
 from ddptrain.parallel.distributed import DistributedContext
@@ -80,54 +84,89 @@ class SaveSchedule:
         return best or timed or bool(self.every_steps and step % self.every_steps == 0)
 
 
-class RunParts(Protocol):
-    """What a checkpoint is taken of (`loop.checkpointed.RunState`): a position, the state in the checkpoint
-    format (`snapshot`: every rank's shards, and the state every rank shares, rank 0's written) and this rank's
-    own (`rank_state`, gathered from every rank). `settle` makes final what a snapshot reads (all ranks);
-    `take_best` is a request to keep this step as best/ (its best.json), or None."""
+class Stateful(Protocol):
+    """A part of what a checkpoint holds: the state of one component, which that component saves and restores
+    (torchtitan's and DCP's `Stateful`). The manager calls `state_dict` on every rank at each save and
+    `load_state_dict` on every rank at a resume, part by part in the order of its `states` (the RNG streams
+    last: nothing restored after them may draw).
 
-    position: Position
+    `state_dict()` gives the part's state by where a checkpoint keeps it, each scope optional:
+        "shared"  keys of trainer.pt, the same on every rank (rank 0's are written)
+        "rank"    keys of this rank's own dict (gathered from every rank: trainer.pt["rng"], by rank)
+        "shards"  this rank's shards of the tensors DCP writes (the model's weights and optimizer state)
+    It is where a part makes its state final first (the log's last line written, the buffers agreed): all
+    ranks, a collective may run in it.
 
-    def settle(self) -> None: ...
+    `load_state_dict(state)` gets them back from a verified checkpoint: "shared" (all of trainer.pt: a part
+    reads its own keys), "ranks" (every rank's "rank" dict as `RankStates`: this rank's own, or all of them to
+    share out where the world size changed) and "checkpoint" (the `Loaded` checkpoint: its path, position and
+    saved settings, and the tensors the shards are read from). All ranks.
+    """
 
-    def take_best(self) -> dict[str, Any] | None: ...
+    def state_dict(self) -> dict[str, Any]: ...
 
-    def snapshot(self) -> Snapshot: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
-    def rank_state(self) -> dict[str, Any]: ...
+
+@dataclass
+class RankStates:
+    """Every rank's saved dict, as a part restoring its own rank's state reads them."""
+
+    ranks: list[dict[str, Any]]  # one per rank of the run that saved
+    rank: int  # this process's, in this run
+    world_size_now: int  # this run's
+
+    @property
+    def same_world(self) -> bool:
+        return len(self.ranks) == self.world_size_now
+
+    @property
+    def own(self) -> dict[str, Any]:
+        """This rank's dict; on another world size rank 0's."""
+        return self.ranks[self.rank] if self.same_world else self.ranks[0]
 
 
 class CheckpointManager:
-    """Saves and resumes through committed directories. Methods marked 'all ranks' are collective."""
+    """Saves the run's parts (`states`) at the position they stand at, and loads them back: through committed
+    directories, which it keeps and chooses among. Methods marked 'all ranks' are collective."""
 
-    def __init__(self, ctx: DistributedContext, parts: RunParts, directory: Path, keep_last: int, async_save: bool,
-                 timeout_s: float, injector: FaultInjector | None = None, mapped_reads: bool = False,
-                 schedule: SaveSchedule | None = None, phase: Callable[[str], None] = lambda name: None):
-        """`parts`: what `save` checkpoints; `phase`: told "checkpoint" as a save starts (the watchdog's
-        heartbeat). `mapped_reads`: a full checkpoint (an earlier version's) is read mapped, each rank reading
-        the rows it needs (a sharded run); else whole."""
-        self.schedule, self.parts, self.phase = schedule or SaveSchedule(), parts, phase
-        self.ctx, self.directory, self.keep_last, self.timeout_s = ctx, directory, keep_last, timeout_s
-        self.async_save, self.injector, self.mapped_reads = async_save, injector, mapped_reads
+    def __init__(self, settings: Any, ctx: DistributedContext, states: dict[str, Stateful], position: Position,
+                 directory: Path, timeout_s: float, *, config: dict[str, Any], tokenizer_digest: str | None = None,
+                 injector: FaultInjector | None = None, mapped_reads: bool = False,
+                 phase: Callable[[str], None] = lambda name: None):
+        """`settings`: the [checkpoint] section (when to save, how many to keep, async writes, what to resume
+        and whether changed settings may continue). `states`: the parts, saved and restored in this order;
+        `position`: where they stand, recorded in each manifest and restored by `load`. `config` (the run's
+        settings, as `TrainConfig.to_dict` gives them) and `tokenizer_digest` (its tokenizer's files, or None):
+        what the run trains under, saved with every checkpoint; a resume under others is refused unless
+        --accept_config_change. `phase`: told "checkpoint" as a save starts (the watchdog's heartbeat).
+        `mapped_reads`: a full checkpoint (an earlier version's) is read mapped, each rank reading the rows it
+        needs (a sharded run); else whole."""
+        self.settings, self.ctx, self.states, self.position = settings, ctx, states, position
+        self.config, self.tokenizer_digest = config, tokenizer_digest
+        self.schedule, self.phase = SaveSchedule.of(settings), phase
+        self.directory, self.keep_last, self.timeout_s = directory, settings.keep_last, timeout_s
+        self.async_save, self.injector, self.mapped_reads = settings.async_checkpoint, injector, mapped_reads
         self._group: dist.ProcessGroup | None = None
         self._thread: threading.Thread | None = None
         self._async_error: str | None = None
         self._staging = shards.Staging()  # an async save's CPU copy: its memory is reused by the next one
         self._in_flight: int | None = None  # the step of an async save not yet agreed on by `wait`
-        self.last_saved_step = -1  # the newest step whose checkpoint every rank agreed committed
+        self.last_saved_step = -1  # the newest step whose checkpoint every rank agreed committed (or loaded)
         # Rank 0: the committed checkpoint that should be best/ but could not be made so yet. Retention keeps
         # it, each later save tries again, and `confirm_best` fails the run if it never was.
         self._best_owed: tuple[Path, dict[str, Any]] | None = None  # (step dir, its best.json)
         self._best_error = ""
         self.origin = ""  # the --resume_from checkpoint that started this run's line, recorded in manifests
 
-    def save(self, *, now: bool = False, epoch_end: int | None = None, timed: bool = False) -> bool:
+    def save(self, *, now: bool = False, epoch_end: int | None = None, timed: bool = False,
+             best: dict[str, Any] | None = None) -> bool:
         """The step boundary the parts stand at: checkpoint them if the schedule says the boundary is due
-        (`epoch_end`, `timed`: as `SaveSchedule.due`; a callback's best request) or `now` (a preemption, the
-        time limit, the end). Whether a save began; not for a step saved already, which a best request makes
-        best/ instead. The loop hands over every boundary, the same on every rank. All ranks."""
-        state = self.parts
-        step, best = state.position.step, state.take_best()
+        (`epoch_end`, `timed`: as `SaveSchedule.due`; `best`: a callback's request to keep this step as best/, its
+        best.json) or `now` (a preemption, the time limit, the end). Whether a save began; not for a step saved
+        already, which a best request makes best/ instead. The loop hands over every boundary, the same on every
+        rank. All ranks."""
+        step = self.position.step
         if not (now or self.schedule.due(step, epoch_end=epoch_end, timed=timed, best=best is not None)):
             return False
         if step == self.pending_step:
@@ -135,33 +174,32 @@ class CheckpointManager:
                 self.keep_best(step, best)
             return False
         self.phase("checkpoint")
-        state.settle()
-        self._save(state, best)
+        self._save(best)
         return True
 
-    def _save(self, state: RunParts, best: dict[str, Any] | None) -> None:
-        """Checkpoint `state` at its position: every rank writes its shards (DCP), rank 0 trainer.pt and the
+    def _save(self, best: dict[str, Any] | None) -> None:
+        """Checkpoint the parts at their position: every rank writes its shards (DCP), rank 0 trainer.pt and the
         manifest once every rank reported its files written; every rank agrees on the outcome. All ranks.
 
         `best`: once committed, the checkpoint also becomes DIRECTORY/best (before retention runs), with this
         dict as best/best.json. With async saves the state is copied to the CPU here, on the training thread,
         and written and committed by a background thread; the next save (or `wait`) reports its fate.
 
-        Every rank's snapshot is agreed on before DCP's first collective: a rank that fails before it would
-        leave its peers waiting inside DCP for the whole checkpoint limit, with the cause in no log.
+        Every rank takes every part's state (collectives run in it), then its outcome is agreed on before DCP's
+        first collective: a rank that fails before it would leave its peers waiting inside DCP for the whole
+        checkpoint limit, with the cause in no log.
         """
+        parts = [part.state_dict() for part in self.states.values()]
         self.wait()  # one save in flight at most; also surfaces a failed background write
         started = time.perf_counter()
-        rank_states = self.ctx.all_gather_object(state.rank_state())
-        step = state.position.step
+        rank_states = self.ctx.all_gather_object({k: v for part in parts for k, v in part.get("rank", {}).items()})
+        step = self.position.step
         error, snap = self._snapshot_error(step), None
         try:
             if self.ctx.is_main:
                 prepare_step_dir(self.directory, step)
             if error is None:
-                snap = state.snapshot()  # this rank's shards: no collective
-                snap.trainer = {**snap.trainer, "rng": rank_states}
-                snap.origin = self.origin
+                snap = self._snapshot(parts, rank_states)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
         self._agree(error, step)  # also: nobody writes into a directory rank 0 is still clearing
@@ -180,6 +218,14 @@ class CheckpointManager:
         self._agree(error, step)
         self._saved(step)
         self.schedule.start_clock()  # --save_every_minutes count from the end of a save
+
+    def _snapshot(self, parts: list[dict[str, Any]], rank_states: list[Any]) -> Snapshot:
+        """The checkpoint of this rank's `parts` (their state dicts) and every rank's own state: this rank's
+        shards, and trainer.pt (rank 0's is written) with what the run trains under."""
+        tensors = {key: value for part in parts for key, value in part.get("shards", {}).items()}
+        shared = {key: value for part in parts for key, value in part.get("shared", {}).items()}
+        trainer = {**shared, "tokenizer_digest": self.tokenizer_digest, "rng": rank_states}
+        return Snapshot(Position(**vars(self.position)), tensors, trainer, self.config, self.origin)
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -417,7 +463,48 @@ class CheckpointManager:
         log.warning("%s: %s belong to another line of training than this run's start (step %d); "
                     "moved to %s", self.directory, ", ".join(p.name for p in stale), start_step, aside)
 
-    def resume(self, explicit: str, model_state: dict[str, torch.Tensor], continue_line: bool = True) -> Loaded | None:
+    def load(self, weights: dict[str, torch.Tensor]) -> Loaded | None:
+        """Restore every part, and the position, from the newest usable checkpoint (or --resume_from: the
+        [checkpoint] section), refused if it was trained under other settings or on another tokenizer (unless
+        --accept_config_change); the checkpoint, or None for a fresh start. `weights`: the model's state this run
+        holds, which a checkpoint must fit to be usable. All ranks."""
+        resume_from, auto_resume = self.settings.resume_from, self.settings.auto_resume
+        if not (resume_from or auto_resume):
+            return None
+        loaded = self._newest_usable(resume_from, weights, continue_line=auto_resume)
+        if loaded is None:
+            return None
+        self._check_trained_under(loaded)
+        state = {"shared": loaded.trainer, "ranks": RankStates(loaded.trainer["rng"], self.ctx.rank,
+                                                               self.ctx.world_size), "checkpoint": loaded}
+        for part in self.states.values():
+            part.load_state_dict(state)
+        saved, pos = loaded.position, self.position
+        if saved.global_batch_size != pos.global_batch_size:
+            log.warning("global batch changed on resume: %d -> %d; the data order continues at sample %d of "
+                        "epoch %d, but steps are no longer comparable with the original run",
+                        saved.global_batch_size, pos.global_batch_size, saved.cursor, saved.epoch)
+        pos.step, pos.epoch, pos.cursor = saved.step, saved.epoch, saved.cursor
+        self.last_saved_step = saved.step
+        return loaded
+
+    def _check_trained_under(self, loaded: Loaded) -> None:
+        """UsageError where `loaded` was trained with other settings or on another tokenizer's files, unless
+        --accept_config_change (then a warning)."""
+        changes = setting_changes(loaded.manifest["config"], self.config)
+        saved_digest, digest = loaded.trainer.get("tokenizer_digest"), self.tokenizer_digest
+        if saved_digest and digest and saved_digest != digest:  # the same path, retrained: other token ids
+            template = self.config.get("chat_template")
+            named = f"{self.config['tokenizer']}{f' or --chat_template {template}' if template else ''}"
+            changes.append(f"tokenizer {named}: its files changed (sha256 {saved_digest[:12]} -> {digest[:12]})")
+        if changes and not self.settings.accept_config_change:
+            raise UsageError(changed_settings_error(loaded.path, changes))
+        if changes and self.ctx.is_main:
+            log.warning("continuing %s with changed training settings (--accept_config_change): %s",
+                        loaded.path, "; ".join(changes))
+
+    def _newest_usable(self, explicit: str, model_state: dict[str, torch.Tensor],
+                       continue_line: bool = True) -> Loaded | None:
         """The newest checkpoint that loads on every rank, or None for a fresh start. All ranks.
 
         `explicit` (--resume_from) chooses where the run's line starts: the first attempt loads it (or

@@ -3,9 +3,9 @@
 A callback is any object with some of `Callback`'s methods. The Trainer calls `on_train_start`,
 `on_step_end`, `on_eval`, `on_checkpoint` and `on_train_end` on every rank, `on_log` on rank 0; each gets the
 `TrainingRun`, the callback's view of the loop. `state_dict`/`load_state_dict` ride in each rank's part of a
-checkpoint (the "callbacks" part of `loop.checkpointed.RunState`). `TrainingRun.request_stop` travels in the control vote, so every
-rank stops at the same step. Built on it: `EarlyStopping` (--early_stop_metric), `BestCheckpoint`
-(--keep_best), `EMA` (--ema_decay).
+checkpoint (the "callbacks" part, `loop.checkpointed.CallbackState`). `TrainingRun.request_stop` travels in the
+control vote, so every rank stops at the same step. Built on it: `EarlyStopping` (--early_stop_metric),
+`BestCheckpoint` (--keep_best), `EMA` (--ema_decay).
 """
 
 from __future__ import annotations

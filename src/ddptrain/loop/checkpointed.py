@@ -1,40 +1,35 @@
-"""What a checkpoint holds of a run: a dict of parts, each saving and restoring its own state.
+"""The parts of a run a checkpoint holds: each a `Stateful` (checkpoints.manager) over the component whose
+state it is, handed to the `CheckpointManager` as `states`, which saves them and loads them back in this order:
 
-`RunState` holds the parts and speaks the checkpoint format (`checkpoints.format.Snapshot` / `Loaded`); the
-checkpoint manager asks it for a snapshot at each save. A part keeps state every rank shares (saved once, in
-trainer.pt), state of its own rank (gathered from every rank), or both:
+    part        component                    shared by the ranks (trainer.pt)       each rank's
+    model       the module and optimizer     weights, optimizer state (shards)      -
+    optim       the schedule, fp16 scaler    schedule, scaler                       -
+    log         TrainLog, MetricWindow       skipped-update counts                  unlogged metric window
+    trainer     LoopState (the loop's own)   agreed stop, last eval, voted stop     a stop asked here
+    data        the loader's stream          (the position: the manager's)          a stream's position
+    callbacks   the callbacks                -                                      each callback's state_dict
+    rng         this rank's RNG streams      -                                      torch / numpy / python streams
 
-    part        state shared by the ranks                        state of each rank
-    model       weights; the optimizer's state over them         -
-    optim       schedule, fp16 scaler                            -
-    trainer     agreed stop, last eval, log, tokenizer digest    unlogged metric window, a stop asked here
-    data        (the position: Snapshot.position)                a stream's position
-    callbacks   -                                                each callback's state_dict
-    rng         -                                                torch / numpy / python RNG streams
-
-A part's shared state is keys of trainer.pt (`state_dict`), its rank's state keys of that rank's dict
-(`rank_state_dict`); `settle()`, where a part has it, makes that state final before a snapshot reads it (all
-ranks: the model's buffers agreed, the log's last line written, the vote in flight read); `load(loaded, ranks)`
-puts both back from a verified checkpoint and every rank's dict
-(`RankStates`). The model part is the one whose state also lies outside trainer.pt (`weights`: the shards,
-which DCP writes under every strategy). The keys are those of the checkpoints ddptrain has always written: the
-parts split the dicts, not the format. Parts restore in the order of the dict (RNG streams last: nothing
-restored after them may draw).
+A part's `state_dict` first makes its state final (all ranks: the model's buffers agreed, the log's last line
+written, the vote in flight read, the sample ids on disk), then gives it by scope: "shared" (keys of
+trainer.pt), "rank" (keys of its rank's dict), "shards" (the model's, which DCP writes under every strategy).
+`load_state_dict` puts it back from a verified checkpoint and every rank's dicts (`RankStates`, which knows
+whether the world size changed). The keys are those of the checkpoints ddptrain has always written: the parts
+split the dicts, not the format. RNG streams restore last: nothing restored after them may draw.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ddptrain.checkpoints import shards
-from ddptrain.checkpoints.format import Loaded, Position, Snapshot, changed_settings_error
-from ddptrain.config import CheckpointSettings, setting_changes
+from ddptrain.checkpoints.format import Loaded
+from ddptrain.checkpoints.manager import RankStates
 from ddptrain.data.pipeline import mix_seed
 from ddptrain.errors import UsageError
 from ddptrain.loop.state import MetricWindow, rng_state, seed_rank_rngs, set_rng_state
@@ -47,24 +42,6 @@ VOTE_FLAGS = ("preempt", "timed", "time_up", "stop")
 
 # Settings of how an update is computed, not of what it computes (the strategy chooses fused or foreach).
 _IMPLEMENTATION = ("initial_lr", "foreach", "fused", "capturable", "differentiable")
-
-
-@dataclass
-class RankStates:
-    """Every rank's saved dict, as a part restoring its own rank's state reads them."""
-
-    ranks: list[dict[str, Any]]  # one per rank of the run that saved
-    rank: int  # this process's, in this run
-    world_size_now: int  # this run's
-
-    @property
-    def same_world(self) -> bool:
-        return len(self.ranks) == self.world_size_now
-
-    @property
-    def own(self) -> dict[str, Any]:
-        """This rank's dict; on another world size rank 0's."""
-        return self.ranks[self.rank] if self.same_world else self.ranks[0]
 
 
 class ModelState:
@@ -81,9 +58,12 @@ class ModelState:
         self.frozen = lora.frozen_names(module) if lora.is_lora(module) else []
         self._fingerprint: list[list[float]] | None = None
 
-    def settle(self) -> None:
-        """Every rank holds rank 0's buffers, which the checkpoint saves. All ranks."""
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank holds rank 0's buffers first, which the checkpoint saves; then this rank's shards and
+        trainer.pt's keys (`weights`). All ranks."""
         self.parallel.sync_buffers()
+        tensors, shared = self.weights()
+        return {"shards": tensors, "shared": shared}
 
     def weights(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(this rank's shards of the model and optimizer state, as DCP writes them; trainer.pt keys). All
@@ -104,7 +84,7 @@ class ModelState:
 
     def fingerprint(self) -> list[list[float]]:
         """The frozen weights' fingerprint (lora.fingerprint), taken once: they never change. Sharded: every
-        rank's part summed (all ranks, at their first snapshot or restore alike)."""
+        rank's part summed (all ranks: at the first save or load, which every rank makes)."""
         if self._fingerprint is None:
             mine = lora.fingerprint(self.module, self.frozen)
             if self.parallel.sharded:
@@ -114,9 +94,10 @@ class ModelState:
             self._fingerprint = mine
         return self._fingerprint
 
-    def load(self, loaded: Loaded, ranks: RankStates) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """The checkpoint's weights and optimizer state, refused if they are another optimizer's or trained
         on other frozen weights; then the config's hyperparameters over the checkpoint's. All ranks."""
+        loaded: Loaded = state["checkpoint"]
         saved_optimizer = loaded.manifest["config"].get("optimizer", self.optimizer_name)
         if saved_optimizer != self.optimizer_name:
             raise UsageError(f"--optimizer {self.optimizer_name}: {loaded.path} holds {saved_optimizer} state; "
@@ -178,33 +159,53 @@ class OptimState:
             self.scheduler.step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        return {"shared": {"scheduler": self.scheduler.state_dict(),
+                           "scaler": self.scaler.state_dict() if self.scaler is not None else None}}
 
-    def load(self, loaded: Loaded, ranks: RankStates) -> None:
-        state, groups = loaded.trainer, self.optimizer.param_groups
-        self.scheduler.load_state_dict(state["scheduler"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shared, groups = state["shared"], self.optimizer.param_groups
+        self.scheduler.load_state_dict(shared["scheduler"])
         if self.own_schedule:  # the config decides the peak lr; a user's scheduler restores its own state
             self.scheduler.base_lrs = [self.peak_lr] * len(groups)
             for group, factor in zip(groups, self.scheduler.lr_lambdas):
                 group["lr"] = self.peak_lr * factor(self.scheduler.last_epoch)
-        if self.scaler is not None and state["scaler"] is not None:
-            self.scaler.load_state_dict(state["scaler"])
+        if self.scaler is not None and shared["scaler"] is not None:
+            self.scaler.load_state_dict(shared["scaler"])
+
+
+class LogState:
+    """"log": the train log's counts of skipped updates (shared) and each rank's window of train numbers not
+    yet logged. Its state is final once the log's last line is written: a checkpoint's window starts after
+    it."""
+
+    def __init__(self, train_log: Any, window: MetricWindow):
+        self.train_log, self.window = train_log, window
+
+    def state_dict(self) -> dict[str, Any]:
+        self.train_log.finish()  # all ranks: the line's numbers are gathered
+        return {"shared": {"log": self.train_log.state_dict()}, "rank": {"window": self.window.state_dict()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.train_log.load_state_dict(state["shared"].get("log", {}))
+        saved: RankStates = state["ranks"]
+        windows = [r["window"] for r in saved.ranks if "window" in r]
+        if len(windows) == len(saved.ranks):  # (before per-rank windows a checkpoint held rank 0's one)
+            if saved.same_world:  # each rank's own unlogged sums; on another world size rank 0 takes them all
+                self.window.load_state_dict(windows[saved.rank])
+            elif saved.rank == 0:
+                self.window.load_state_dict(MetricWindow.merged(windows))
 
 
 class LoopState:
-    """"trainer": what the loop decided and logged. Shared: a stop every rank agreed on (no step follows it,
-    and a rerun stops at the same step), one voted but not yet read, the last eval (a resumed run neither
-    repeats it nor reports none at the end), the log's state, the tokenizer the run learnt on. Each rank's:
-    its unlogged metric window and a stop asked on it, not yet voted on. The sample-id record (or None) is
-    flushed with each checkpoint."""
+    """"trainer": what the loop decided. Shared: a stop every rank agreed on (no step follows it, and a rerun
+    stops at the same step), one voted but not yet read (the control vote's), the last eval (a resumed run
+    neither repeats it nor reports none at the end). Each rank's: a stop asked on it (a callback's, through
+    `run_view`), not yet voted on."""
 
-    def __init__(self, train_log: Any, window: MetricWindow, vote: Any, run_view: Any, ctx: Any,
-                 tokenizer_digest: str | None, sample_log: Any):
-        self.train_log, self.window, self.vote, self.run_view, self.ctx = train_log, window, vote, run_view, ctx
-        self.tokenizer_digest, self.sample_log = tokenizer_digest, sample_log
+    def __init__(self, vote: Any, run_view: Any):
+        self.vote, self.run_view = vote, run_view
         self.stopped: dict[str, Any] | None = None  # {"step", "reason"} once every rank agreed to stop early
-        self.last_eval: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] = {}  # {"step", **metrics} of the last eval (no metrics: no eval set)
 
     def agree_to_stop(self, step: int, reason: str) -> None:
         """Record the stop every rank agreed on at this step: no step follows, and every later checkpoint holds
@@ -213,64 +214,50 @@ class LoopState:
             self.stopped = {"step": step, "reason": reason}
             log.info("stopping at step %d: %s", step, reason)
 
-    def settle(self) -> None:
-        """The log's last line written (a checkpoint's window starts after it), the sample ids on disk, the vote
-        cast at this boundary read: its outcome rides in the checkpoint. All ranks."""
-        self.train_log.finish()
-        if self.sample_log is not None:
-            self.sample_log.flush()
-        self.vote.settle()
+    def evaluated(self, step: int, metrics: dict[str, Any]) -> None:
+        """The eval at `step` is done, with these `metrics` (none: there is no eval set)."""
+        self.last_eval = {"step": step, **metrics}
 
     def state_dict(self) -> dict[str, Any]:
-        settled = self.vote.settled  # a stop in the vote read at the next boundary: a decision already taken
-        return {"log": self.train_log.state_dict(), "stopped": self.stopped, "last_eval": self.last_eval,
-                "stop_voted": bool(settled and settled[VOTE_FLAGS.index("stop")]),
-                "tokenizer_digest": self.tokenizer_digest}
+        settled = self.vote.settle()  # all ranks: a stop in the vote read at the next boundary is a decision taken
+        return {"shared": {"stopped": self.stopped, "last_eval": self.last_eval,
+                           "stop_voted": bool(settled and settled[VOTE_FLAGS.index("stop")])},
+                "rank": {"stop_request": self.run_view.stop_reason}}
 
-    def load(self, loaded: Loaded, ranks: RankStates) -> None:
-        state = loaded.trainer
-        self.train_log.load_state_dict(state.get("log", {}))
-        self.stopped = state.get("stopped")
-        if state.get("stop_voted"):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shared, saved = state["shared"], state["ranks"]
+        self.stopped = shared.get("stopped")
+        if shared.get("stop_voted"):
             # Of the vote in flight at the save, only the stop outlives that process (its signals and clock do not).
             self.vote.settled = [float(flag == "stop") for flag in VOTE_FLAGS]
-        self.last_eval = state.get("last_eval", {})
-        self._load_rank_state(ranks)
-
-    def rank_state_dict(self) -> dict[str, Any]:
-        return {"window": self.window.state_dict(), "stop_request": self.run_view.stop_reason}
-
-    def _load_rank_state(self, saved: RankStates) -> None:
-        windows = [r["window"] for r in saved.ranks if "window" in r]
-        if len(windows) == len(saved.ranks):  # (before per-rank windows a checkpoint held rank 0's one)
-            if saved.same_world:  # each rank's own unlogged sums; on another world size rank 0 takes them all
-                self.window.load_state_dict(windows[saved.rank])
-            elif self.ctx.is_main:
-                self.window.load_state_dict(MetricWindow.merged(windows))
+        self.last_eval = shared.get("last_eval", {})
         # A request not yet agreed on is cast again at the next vote; on another world size by rank 0.
         requests = [rank.get("stop_request") for rank in saved.ranks]
         self.run_view.stop_reason = (saved.own.get("stop_request") if saved.same_world
-                                     else next((r for r in requests if r), None) if self.ctx.is_main else None)
+                                     else next((r for r in requests if r), None) if saved.rank == 0 else None)
 
 
-class StreamState:
-    """"data" of an IterableDataset: each rank's position in its share of the stream. (A map-style dataset's
-    position is the checkpoint's Position: one global order, the same on every rank.)"""
+class DataState:
+    """"data": where this rank stands in the data besides the checkpoint's position (one global order, the same
+    on every rank, for a map-style dataset): an IterableDataset's position in its share of the stream; and the
+    sample-id record (or None), on disk with each checkpoint."""
 
-    def __init__(self, position: Any, num_workers: int):
-        self.position, self.num_workers = position, num_workers
+    def __init__(self, position: Any, num_workers: int, sample_log: Any):
+        self.position, self.num_workers, self.sample_log = position, num_workers, sample_log
 
-    def rank_state_dict(self) -> dict[str, Any]:
-        return {"stream": self.position.state_dict()} if self.position is not None else {}
+    def state_dict(self) -> dict[str, Any]:
+        if self.sample_log is not None:
+            self.sample_log.flush()
+        return {"rank": {"stream": self.position.state_dict()} if self.position is not None else {}}
 
-    def load(self, loaded: Loaded, saved: RankStates) -> None:
-        path = loaded.path
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved: RankStates = state["ranks"]
         saved_stream = saved.ranks[min(saved.rank, len(saved.ranks) - 1)].get("stream")
         if (saved_stream is None) != (self.position is None):
             kinds = ("an IterableDataset", "a map-style dataset")
             saved_kind, this_kind = (kinds[1], kinds[0]) if saved_stream is None else kinds
-            raise UsageError(f"{path} was saved from {saved_kind}; this run's is {this_kind}: start fresh "
-                             "(--no-auto_resume or another --run_dir)")
+            raise UsageError(f"{state['checkpoint'].path} was saved from {saved_kind}; this run's is {this_kind}: "
+                             "start fresh (--no-auto_resume or another --run_dir)")
         if self.position is not None:
             self.position.load_state_dict(saved_stream, saved.world_size_now, self.num_workers)
 
@@ -295,10 +282,11 @@ class CallbackState:
         best, self.run_view.best_wanted = self.run_view.best_wanted, None
         return best
 
-    def rank_state_dict(self) -> dict[str, Any]:
-        return {"callbacks": self.callbacks.state_dict()} if self.callbacks else {}
+    def state_dict(self) -> dict[str, Any]:
+        return {"rank": {"callbacks": self.callbacks.state_dict()} if self.callbacks else {}}
 
-    def load(self, loaded: Loaded, saved: RankStates) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved: RankStates = state["ranks"]
         self.callbacks.load_state_dict(saved.own.get("callbacks", {}), saved.ranks[0].get("callbacks", {}))
 
 
@@ -309,88 +297,14 @@ class RngState:
     def __init__(self, device: torch.device, seed: int):
         self.device, self.seed = device, seed
 
-    def rank_state_dict(self) -> dict[str, Any]:
-        return rng_state(self.device)
+    def state_dict(self) -> dict[str, Any]:
+        return {"rank": rng_state(self.device)}
 
-    def load(self, loaded: Loaded, saved: RankStates) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved: RankStates = state["ranks"]
         if saved.same_world:
             set_rng_state(saved.own, self.device)
         else:
             log.warning("world size changed on resume: %d -> %d; data order continues sample-exactly, per-rank "
                         "RNG streams (dropout) are reseeded", len(saved.ranks), saved.world_size_now)
-            seed_rank_rngs(mix_seed(self.seed, loaded.position.step), saved.rank)
-
-
-class RunState:
-    """The parts of a run a checkpoint holds, and the position they are at; what the checkpoint manager saves
-    and a resume restores."""
-
-    def __init__(self, position: Position, config: dict[str, Any], model: ModelState, optim: OptimState,
-                 trainer: LoopState, data: StreamState, callbacks: CallbackState, rng: RngState):
-        self.position, self.config = position, config
-        self.parts = {"model": model, "optim": optim, "trainer": trainer, "data": data, "callbacks": callbacks,
-                      "rng": rng}
-
-    def settle(self) -> None:
-        """Each part's state made final for a snapshot, in the order of the parts. All ranks."""
-        for part in self.parts.values():
-            if hasattr(part, "settle"):
-                part.settle()
-
-    def take_best(self) -> dict[str, Any] | None:
-        return self.parts["callbacks"].take_best()
-
-    def snapshot(self) -> Snapshot:
-        """This rank's shards and the shared state (rank 0's is written). All ranks."""
-        weights, trainer = self.parts["model"].weights()
-        for part in self.parts.values():
-            if hasattr(part, "state_dict"):
-                trainer.update(part.state_dict())
-        return Snapshot(Position(**vars(self.position)), weights, trainer, self.config)
-
-    def rank_state(self) -> dict[str, Any]:
-        """This rank's state, gathered from every rank at a save."""
-        state: dict[str, Any] = {}
-        for part in self.parts.values():
-            if hasattr(part, "rank_state_dict"):
-                state.update(part.rank_state_dict())
-        return state
-
-    def resume(self, checkpoints: Any, checkpoint: CheckpointSettings, ctx: Any) -> Loaded | None:
-        """Restore the newest usable checkpoint (or --resume_from: the [checkpoint] section), refused if it was
-        trained under other settings (unless --accept_config_change) or on another tokenizer; the checkpoint, or
-        None. All ranks."""
-        model = self.parts["model"]
-        if model.frozen:
-            model.fingerprint()  # now, on every rank (sharded: a collective), not inside a later save
-        if not (checkpoint.resume_from or checkpoint.auto_resume):
-            return None
-        loaded = checkpoints.resume(checkpoint.resume_from, model.checkpointed(model.module.state_dict()),
-                                    continue_line=checkpoint.auto_resume)
-        if loaded is None:
-            return None
-        changes = setting_changes(loaded.manifest["config"], self.config)
-        saved_digest, digest = loaded.trainer.get("tokenizer_digest"), self.parts["trainer"].tokenizer_digest
-        if saved_digest and digest and saved_digest != digest:  # the same path, retrained: other token ids
-            template = self.config.get("chat_template")
-            changes.append(f"tokenizer {self.config['tokenizer']}{f' or --chat_template {template}' if template else ''}: "
-                           f"its files changed (sha256 {saved_digest[:12]} -> {digest[:12]})")
-        if changes and not checkpoint.accept_config_change:
-            raise UsageError(changed_settings_error(loaded.path, changes))
-        if changes and ctx.is_main:
-            log.warning("continuing %s with changed training settings (--accept_config_change): %s",
-                        loaded.path, "; ".join(changes))
-        self.restore(loaded, ctx.rank, ctx.world_size)
-        return loaded
-
-    def restore(self, loaded: Loaded, rank: int, world_size: int) -> None:
-        """Every part's state from `loaded`, in the order of the parts, then the position. All ranks."""
-        saved, pos = loaded.position, self.position
-        ranks = RankStates(loaded.trainer["rng"], rank, world_size)
-        for part in self.parts.values():
-            part.load(loaded, ranks)
-        if saved.global_batch_size != pos.global_batch_size:
-            log.warning("global batch changed on resume: %d -> %d; the data order continues at sample %d of "
-                        "epoch %d, but steps are no longer comparable with the original run",
-                        saved.global_batch_size, pos.global_batch_size, saved.cursor, saved.epoch)
-        pos.step, pos.epoch, pos.cursor = saved.step, saved.epoch, saved.cursor
+            seed_rank_rngs(mix_seed(self.seed, state["checkpoint"].position.step), saved.rank)

@@ -19,15 +19,15 @@ import torch
 
 import ddptrain
 from ddptrain.checkpoints.format import Position
-from ddptrain.checkpoints.manager import CheckpointManager, SaveSchedule
+from ddptrain.checkpoints.manager import CheckpointManager
 from ddptrain.config import TrainConfig
 from ddptrain.data.pipeline import BatchLayout, epoch_batches
 from ddptrain.data.streams import stream_batches
 from ddptrain.errors import Preempted
 from ddptrain.faults import FaultInjector
 from ddptrain.loop.callbacks import TrainingRun, run_callbacks
-from ddptrain.loop.checkpointed import (CallbackState, LoopState, ModelState, OptimState, RngState, RunState,
-                                        StreamState)
+from ddptrain.loop.checkpointed import (CallbackState, DataState, LogState, LoopState, ModelState, OptimState,
+                                        RngState)
 from ddptrain.loop.evaluator import Evaluator
 from ddptrain.loop.finish import FinalWeights
 from ddptrain.loop.loaders import build_loaders
@@ -107,19 +107,19 @@ class Trainer:
             self.train_log.on_record = lambda record: self.callbacks.call("on_log", self.run_view, record)
         model = ModelState(module, self.optimizer, self.parallel, ctx, lambda: self.checkpoints.group, cfg.optimizer,
                            cfg.model, cfg.lora_rank)
+        self.loop_state = LoopState(self.vote, self.run_view)
+        data_state = DataState(self.data.stream_position, cfg.num_workers, self.sample_log)
+        # What a checkpoint holds, part by part (loop/checkpointed.py): the manager saves them, and restores them in
+        # this order.
+        self.states = {"model": model, "optim": optim, "log": LogState(self.train_log, self.window),
+                       "trainer": self.loop_state, "data": data_state,
+                       "callbacks": CallbackState(self.callbacks, self.run_view), "rng": RngState(ctx.device, cfg.seed)}
         # The tokenizer's files (and --chat_template's), not their paths: a checkpoint continues on the ids it learnt.
         digest = hf.tokenizer_digest(Path(cfg.tokenizer), cfg.chat_template) if cfg.tokenizer else None
-        self.loop_state = LoopState(self.train_log, self.window, self.vote, self.run_view, ctx, digest,
-                                    self.sample_log)
-        self.state = RunState(self.position, cfg.to_dict(), model, optim, self.loop_state,
-                              StreamState(self.data.stream_position, cfg.num_workers),
-                              CallbackState(self.callbacks, self.run_view),
-                              RngState(ctx.device, cfg.seed))
-        self.checkpoints = CheckpointManager(ctx, self.state, cfg.checkpoint_path, cfg.keep_last,
-                                             cfg.async_checkpoint, cfg.checkpoint_timeout_s, self.injector,
-                                             mapped_reads=self.parallel.sharded,
-                                             schedule=SaveSchedule.of(cfg.section("checkpoint")),
-                                             phase=self.watchdog.phase)
+        self.checkpoints = CheckpointManager(cfg.section("checkpoint"), ctx, self.states, self.position,
+                                             cfg.checkpoint_path, cfg.checkpoint_timeout_s, config=cfg.to_dict(),
+                                             tokenizer_digest=digest, injector=self.injector,
+                                             mapped_reads=self.parallel.sharded, phase=self.watchdog.phase)
         self.final = FinalWeights(data, ctx, run_dir, model, self.checkpoints, self.callbacks.ema)
         # --max_time counts from the launch; where no launcher set its time, from here.
         self.signals = StopSignals(cfg.max_time)
@@ -265,7 +265,7 @@ class Trainer:
         self.train_log.finish()  # the line of the log step before this step: its numbers arrived meanwhile
         pos.step += 1
         pos.cursor += self.data.layout.global_batch_size
-        self.state.parts["optim"].step_schedule(first=pos.step == 1 + self._first_step)
+        self.states["optim"].step_schedule(first=pos.step == 1 + self._first_step)
         self.profiler.step()
         if pos.step == 1 + self._first_step:
             # Tier two: the generous init timeout covered rendezvous and the first step.
@@ -295,11 +295,10 @@ class Trainer:
                 averaged = self.evaluator.evaluate(self.module, heartbeat=lambda: self.watchdog.phase("eval"))
             result.update({f"ema_{key}": value for key, value in averaged.items() if key != "samples"})
         pos, loop_state = self.position, self.loop_state
+        loop_state.evaluated(pos.step, result)  # (no eval set: nothing to evaluate at this step either)
         if not result:
-            loop_state.last_eval = {"step": pos.step}  # no eval set: nothing to evaluate at this step either
             return {}
         self.train_log.write_eval(result, pos.step, pos.epoch)
-        loop_state.last_eval = {"step": pos.step, **result}
         self.callbacks.call("on_eval", self.run_view, result)
         if self.run_view.stop_now:  # a decision on these metrics, the same on every rank: this is the last step
             self.loop_state.agree_to_stop(pos.step, self.run_view.stop_reason)
@@ -334,9 +333,9 @@ class Trainer:
         self._checkpoint(timed=bool(timed))
 
     def _checkpoint(self, **when: Any) -> None:
-        """A step boundary, handed to the checkpoint manager: it saves the run's parts if its schedule says so
-        (or `now=True`). All ranks."""
-        if self.checkpoints.save(**when):
+        """A step boundary, handed to the checkpoint manager with a callback's best request: it saves the run's
+        parts if its schedule says so (or `now=True`). All ranks."""
+        if self.checkpoints.save(best=self.states["callbacks"].take_best(), **when):
             self._announce_checkpoint()
 
     def _wait_for_checkpoint(self) -> None:
@@ -348,7 +347,7 @@ class Trainer:
 
     def _announce_checkpoint(self) -> None:
         """`on_checkpoint` for a checkpoint every rank now knows committed (an async one: at the next wait)."""
-        self.state.parts["callbacks"].announce(self.checkpoints.last_saved_step)
+        self.states["callbacks"].announce(self.checkpoints.last_saved_step)
 
     def _resume(self) -> dict[str, Any] | None:
         """Restore the newest usable checkpoint (or --resume_from). Returns the record of this run's end
@@ -356,7 +355,8 @@ class Trainer:
         self._first_step = 0
         self.watchdog.phase("load")
         finished = self.final.finished()
-        loaded = self.state.resume(self.checkpoints, self.cfg.section("checkpoint"), self.ctx)
+        model = self.states["model"]
+        loaded = self.checkpoints.load(model.checkpointed(model.module.state_dict()))  # every part, and the position
         # The step the run finished at, the same plan (a stop decided after that step's save is in the record): done.
         if loaded is not None and finished and finished["step"] == self.position.step and (
                 not self._training() or finished.get("total_steps") == self.total_steps):
@@ -364,7 +364,7 @@ class Trainer:
         self.final.clear_markers()
         if loaded is not None:
             self.stepper.optimizer_stepped = bool(self.optimizer.state)
-            self._first_step = self.checkpoints.last_saved_step = self.position.step
+            self._first_step = self.position.step
         self.checkpoints.start_line(loaded)
         best = self.callbacks.best
         if self.ctx.is_main and best is not None and best.watch.best_step >= 0:
