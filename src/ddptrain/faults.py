@@ -100,14 +100,14 @@ class FaultSpec:
 class FaultInjector:
     """Checks placed at fixed points of the training loop; all are no-ops when no fault is armed."""
 
-    def __init__(self, spec_text: str, rank: int):
+    def __init__(self, spec_text: str, rank: int, interrupted: Callable[[], bool] = lambda: False):
         spec_text = spec_text or os.environ.get(ENV_VAR, "")
         spec = FaultSpec.parse(spec_text, source=ENV_VAR) if spec_text else None
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.spec = spec if spec and spec.rank == rank and spec.restart == restart else None
         # Whether a preemption signal reached this process (the Trainer's StopSignals): a stall ends then, so that
         # a test can signal a save it knows to be in progress and need not guess how long it lasts.
-        self.interrupted: Callable[[], bool] = lambda: False
+        self.interrupted = interrupted
 
     def _due(self, step: int, at: str, micro: int = 0) -> bool:
         s = self.spec

@@ -83,7 +83,7 @@ class StepRunner:
         self.normaliser = LossNormaliser(task, ctx, training.grad_accum_steps)
         self.fused = bool(optimizer.defaults.get("fused"))  # an on-device skip (see `run`)
         self._no_yes = tuple(torch.tensor(v, device=ctx.device) for v in (0.0, 1.0))  # float32 flag values
-        self.optimizer_stepped = False  # whether the optimizer has state (see `run`)
+        self.optimizer_stepped = False  # whether this process updated (see `run`; a resumed optimizer has state)
         # Gradient bytes held between the micro-steps of this process's first step, for the memory line
         # (None until measured, and at --grad_accum_steps 1).
         self.accumulated_grad_bytes: int | None = None
@@ -186,7 +186,7 @@ class StepRunner:
             if bool(bad):  # host sync, the price of stopping at the very step
                 self._stop_nonfinite(step)
             self.optimizer.step()
-        elif (not self.optimizer_stepped or not self.fused) and bool(bad):
+        elif (not (self.optimizer_stepped or self.optimizer.state) or not self.fused) and bool(bad):
             # Before its first update a fused optimizer has no state: asked to skip, it would allocate
             # momentum buffers uninitialised and never write them. So until the first update the skip is
             # decided on the host (one sync per step until then, none after): the step never happened.

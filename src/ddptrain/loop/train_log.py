@@ -71,7 +71,7 @@ class TrainLog:
 
     def __init__(self, ctx: DistributedContext, sinks: MetricSinks | None, clock: Clock, global_batch_size: int,
                  unit: str, flops_per_sample: float, peak_tflops: float, straggler_skew: float,
-                 max_skipped: int = 0):
+                 max_skipped: int = 0, on_record: Callable[[dict[str, Any]], None] | None = None):
         self.ctx, self.sinks, self.clock = ctx, sinks, clock
         self.global_batch_size, self.unit = global_batch_size, unit
         self.flops_per_sample, self.peak_tflops = flops_per_sample, peak_tflops
@@ -79,7 +79,7 @@ class TrainLog:
         self.max_skipped = max_skipped
         self.skipped_total = 0  # updates skipped (non-finite) in the whole run, restored on resume
         self.skipped_in_a_row = 0
-        self.on_record: Callable[[dict[str, Any]], None] | None = None  # rank 0: each train line's record
+        self.on_record = on_record  # rank 0: each train line's record (the callbacks' on_log)
         self._streak: dict[int, int] = {}
         self.gpu = GpuUtilisation(ctx.device)
         self._pending: _Pending | None = None

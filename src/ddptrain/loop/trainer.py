@@ -61,7 +61,9 @@ class Trainer:
         """`watchdog`: the worker's, running since the process joined the job (api.train_worker); without one the
         Trainer builds its own, which `fit` runs."""
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
-        self.injector = FaultInjector(cfg.inject_fault, ctx.rank)
+        # --max_time counts from the launch; where no launcher set its time, from here.
+        self.signals = StopSignals(cfg.max_time)
+        self.injector = FaultInjector(cfg.inject_fault, ctx.rank, interrupted=lambda: self.signals.received is not None)
         self._own_watchdog = watchdog is None
         self.watchdog = watchdog or Watchdog.of_run(cfg.section("parallel"), ctx, run_dir)
         self.injector.at_startup()
@@ -95,16 +97,14 @@ class Trainer:
         seed_rank_rngs(cfg.seed, ctx.rank)
         self.position = Position(step=0, epoch=0, cursor=0, global_batch_size=layout.global_batch_size,
                                  world_size=ctx.world_size)
+        # The user's callbacks (`fit`'s, then --callbacks'), then the built-ins the flags ask for.
+        self.callbacks = run_callbacks(cfg.section("eval"), parts.callbacks or (), self.parallel.sharded)
+        self.run_view = TrainingRun(self)
         self._build_services(flops, autocast)
         self.stepper = StepRunner(training, cfg.section("performance"), ctx, self.parallel, self.task,
                                 self.optimizer, optim.scaler, autocast,
                                 StepServices(self.watchdog, self.profiler, self.train_log.clock, self.window,
                                              self.injector, self.sample_log))
-        # The user's callbacks (`fit`'s, then --callbacks'), then the built-ins the flags ask for.
-        self.callbacks = run_callbacks(cfg.section("eval"), parts.callbacks or (), self.parallel.sharded)
-        self.run_view = TrainingRun(self)
-        if self.callbacks and ctx.is_main:
-            self.train_log.on_record = lambda record: self.callbacks.call("on_log", self.run_view, record)
         model = ModelState(module, self.optimizer, self.parallel, ctx, lambda: self.checkpoints.group, cfg.optimizer,
                            cfg.model, cfg.lora_rank)
         self.loop_state = LoopState(self.vote, self.run_view)
@@ -121,9 +121,6 @@ class Trainer:
                                              tokenizer_digest=digest, injector=self.injector,
                                              mapped_reads=self.parallel.sharded, phase=self.watchdog.phase)
         self.final = FinalWeights(data, ctx, run_dir, model, self.checkpoints, self.callbacks.ema)
-        # --max_time counts from the launch; where no launcher set its time, from here.
-        self.signals = StopSignals(cfg.max_time)
-        self.injector.interrupted = lambda: self.signals.received is not None
 
     def _build_optimization(self, parts: Parts) -> OptimState:
         """Optimizer, schedule and fp16 scaler, from the [training] section. The linear scaling rule is opt-in:
@@ -159,7 +156,9 @@ class Trainer:
         self.window = MetricWindow(device, cfg.log_interval)
         self.train_log = TrainLog(ctx, self.sinks, Clock(device), self.data.layout.global_batch_size, self.task.unit,
                                   flops_per_sample, cfg.peak_tflops or perf.known_peak_tflops(device),
-                                  cfg.straggler_skew, cfg.max_skipped_steps)
+                                  cfg.straggler_skew, cfg.max_skipped_steps,
+                                  on_record=(lambda record: self.callbacks.call("on_log", self.run_view, record))
+                                  if self.callbacks and ctx.is_main else None)
         self.evaluator = Evaluator(ctx, self.data.eval, self.task, autocast, cfg.channels_last,
                                    lockstep=self.parallel.sharded)
         self.sample_log = (SampleLog(run_dir, ctx.rank, self.data.stream_position) if cfg.record_sample_ids
@@ -363,7 +362,6 @@ class Trainer:
             return finished
         self.final.clear_markers()
         if loaded is not None:
-            self.stepper.optimizer_stepped = bool(self.optimizer.state)
             self._first_step = self.position.step
         self.checkpoints.start_line(loaded)
         best = self.callbacks.best
