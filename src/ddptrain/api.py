@@ -5,9 +5,10 @@
                            config=ddptrain.TrainConfig(epochs=3, batch_size=32, nproc=2))
 
 - Run as a plain script, `fit` trains in this process (world size 1), or with `nproc = N` starts N local
-  worker processes itself, as `ddptrain train --nproc N` does (`launch_workers`: each worker imports your
-  script, as under `mp.spawn`, so guard the call with `if __name__ == "__main__":`; model, data and task must
-  pickle);
+  worker processes on the launcher of `ddptrain train --nproc N`, with its restarts, hang reports and exit codes
+  (`launch_workers`). Each worker is forked from its forkserver, which imported torch and ddptrain once, and
+  runs your script's top level again (multiprocessing's spawn rule, as under `mp.spawn`): guard the call with
+  `if __name__ == "__main__":`; model, data and task must pickle;
 - under torchrun (RANK set), each process runs its part of the job: `torchrun --nproc-per-node 2 my.py`.
 
 `ddptrain train` is a thin layer over `train_worker`, the same path each process takes here.
