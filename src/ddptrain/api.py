@@ -74,7 +74,7 @@ def train_worker(cfg: TrainConfig, parts: Parts | None = None) -> dict[str, Any]
         worker_context()
     run_dir = Path(cfg.run_dir)
     runlock.make_dir(run_dir, "--run_dir")
-    with (distributed(cfg.backend, cfg.init_timeout_s, run_dir) as ctx,
+    with (distributed(cfg.backend, cfg.init_timeout_s, run_dir, cfg.tp) as ctx,
           # before this job writes anything into the run dir
           runlock.held_by_job(ctx, runlock.job_dirs(run_dir, cfg.checkpoint_path))):
         log = setup_logging(run_dir, ctx.rank, ctx.world_size, ctx.host)

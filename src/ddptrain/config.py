@@ -162,11 +162,25 @@ class TrainConfig:
             for flag in self.finetune.needs_whole_base():
                 raise UsageError(f"{flag} works with --strategy ddp only (under {self.strategy} no rank holds the "
                                  "base's whole weights it is computed from); pass --strategy ddp")
+        if self.tp > 1:
+            self._check_tensor_parallel()
         if self.static_graph and self.grad_accum_steps > 1:
             # DDP's static graph counts one gradient-ready hook per parameter per iteration; no_sync's
             # extra backward passes break that count (a torch internal assert, reproduced on 2.13).
             raise UsageError("--static_graph cannot be combined with --grad_accum_steps > 1 (DDP's static graph "
                              "does not support no_sync accumulation); drop one of the two flags")
+
+    def _check_tensor_parallel(self) -> None:
+        """--tp's rules that join sections: the models with a plan, what is not combined with it yet."""
+        if self.model != "gpt":
+            raise UsageError(f"--tp {self.tp}: --model {self.model} has no tensor-parallel plan (the built-in gpt "
+                             "has one so far); pass --tp 1")
+        if self.num_heads % self.tp:
+            raise UsageError(f"--tp {self.tp} splits the attention heads over the ranks of a group: --num_heads "
+                             f"{self.num_heads} must be a multiple of it; pass --num_heads "
+                             f"{self.num_heads // self.tp * self.tp or self.tp}")
+        if self.lora_rank:
+            raise UsageError(f"--lora_rank does not compose with --tp {self.tp} yet: drop --lora_rank, or pass --tp 1")
 
 
 def refuse_ignored(cfg: TrainConfig, given: set[str]) -> None:
@@ -177,6 +191,9 @@ def refuse_ignored(cfg: TrainConfig, given: set[str]) -> None:
         raise UsageError(f"--vocab_parallel splits the embedding and head by rows under --strategy fsdp only (under "
                          f"{cfg.strategy} each rank holds {'whole matrices' if cfg.strategy == 'ddp' else 'FSDP units'}"
                          "); drop the flag or pass --strategy fsdp")
+    if "vocab_parallel" in given and cfg.vocab_parallel and cfg.tp > 1:
+        raise UsageError(f"--vocab_parallel does not compose with --tp {cfg.tp} yet (the embedding and head stay whole "
+                         "on each rank of a tensor-parallel group); drop the flag, or pass --tp 1")
     if "lora_alpha" in given and not cfg.lora_rank:
         raise UsageError("--lora_alpha scales LoRA adapters, which are off; set --lora_rank (e.g. 8)")
 

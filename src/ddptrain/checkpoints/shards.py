@@ -67,6 +67,7 @@ from ddptrain.checkpoints.format import (
     _verify_file,
     file_digest,
 )
+from ddptrain.parallel import tensor
 from ddptrain.parallel.materialize import chunk_rows, local_part, put_local_part, shard_rows, whole_on_cpu
 
 SHARDS = "shards"
@@ -268,6 +269,7 @@ def state_to_save(module: nn.Module, optimizer: torch.optim.Optimizer, leave_out
         state["optim"], extra["param_groups"] = {"state": tensors}, optim["param_groups"]
         if values:
             extra["optim_values"] = values
+    state = tensor.gather_strided(state)  # --tp's fused qkv: whole, as DCP writes one chunk per rank
     return (share_of_replicas(state, *replicas) if replicas else state), extra
 
 
@@ -404,8 +406,11 @@ def load_into(module: nn.Module, optimizer: torch.optim.Optimizer, loaded: Loade
     state: dict[str, Any] = {"model": model_state}
     if saved_tensors:
         state["optim"] = {"state": _split_values(get_optimizer_state_dict(module, optimizer)["state"])[0]}
+    laid_out, state = state, tensor.gather_strided(state)  # (see state_to_save)
     dcp.load(state, storage_reader=_VerifiedReader(loaded.path / SHARDS, loaded.shards),
              planner=_TensorsOnlyPlanner(), process_group=group)
+    state = tensor.restride(state, laid_out)
+    model_state = state["model"]
     set_model_state_dict(module, model_state, options=StateDictOptions(strict=not leave_out))
     if saved_tensors or saved_values:
         merged = state["optim"]["state"] if saved_tensors else {}
@@ -545,6 +550,8 @@ def row_blocks(tensor: torch.Tensor, is_main: bool) -> Iterator[tuple[int, torch
     if local.device.type != mesh.device_type:  # offloaded rows (--cpu_offload) travel on the group's device
         local = local.to(mesh.device_type)
     main = dist.get_global_rank(group, 0)
+    if main != 0 and not is_main:  # another copy of it: under --tp each rank of a group holds one, rank 0's is written
+        return
     for rank in range(mesh.size()):
         rows = chunk_rows(tensor.shape[0], mesh.size(), rank)
         if rows.start == rows.stop:

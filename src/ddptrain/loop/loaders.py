@@ -63,7 +63,8 @@ class Loaders:
 def build_loaders(data: DataSettings, training: TrainingSettings, ctx: DistributedContext, layout: BatchLayout,
                   train_ds: Any, eval_ds: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Loaders:
     """The run's loaders, from the [data] and [training] sections; `collate_fn` (fit's) turns a list of items into
-    a batch (default: see data.Collate)."""
+    a batch (default: see data.Collate). A rank reads as its data-parallel rank: under --tp the ranks of a group
+    read the same batches, with the same seeds."""
     note_loader_processes(data.num_workers, ctx)
     device, seed = ctx.device, training.seed
     if data.packing:  # the bins are the samples: the global order, resume and a new world size need nothing else
@@ -72,12 +73,12 @@ def build_loaders(data: DataSettings, training: TrainingSettings, ctx: Distribut
     elif data.task == "language_model" and ctx.is_main:
         packing.hint(train_ds, training.batch_size, seed)
     reading = Reading(data.num_workers, seed, data.pad_token_id, training.batch_size)
-    train_seed, eval_seed = mix_seed(seed, 4, ctx.rank), mix_seed(seed, 5, ctx.rank)
+    train_seed, eval_seed = mix_seed(seed, 4, ctx.dp_rank), mix_seed(seed, 5, ctx.dp_rank)
     if isinstance(eval_ds, IterableDataset):
-        eval_loader = stream_loader(StreamShard(eval_ds, seed, ctx.rank, ctx.world_size), reading, device,
+        eval_loader = stream_loader(StreamShard(eval_ds, seed, ctx.dp_rank, ctx.dp_size), reading, device,
                                     drop_last=False, seed=eval_seed, collate_fn=collate_fn)
     elif eval_ds is not None and len(eval_ds) > 0:
-        eval_sampler = ShardedEvalSampler(len(eval_ds), training.batch_size, ctx.rank, ctx.world_size)
+        eval_sampler = ShardedEvalSampler(len(eval_ds), training.batch_size, ctx.dp_rank, ctx.dp_size)
         eval_loader = make_loader(eval_ds, eval_sampler, reading, device, seed=eval_seed, collate_fn=collate_fn)
     else:
         eval_loader = None
@@ -85,19 +86,19 @@ def build_loaders(data: DataSettings, training: TrainingSettings, ctx: Distribut
         if not training.max_steps:
             raise UsageError("the training dataset is an IterableDataset (a stream without a length): pass "
                              "--max_steps to say how long to train")
-        stream = StreamShard(train_ds, seed, ctx.rank, ctx.world_size)
-        position = StreamPosition(ctx.world_size * readers_per_rank(data.num_workers), ctx.rank, data.num_workers)
+        stream = StreamShard(train_ds, seed, ctx.dp_rank, ctx.dp_size)
+        position = StreamPosition(ctx.dp_size * readers_per_rank(data.num_workers), ctx.dp_rank, data.num_workers)
         train = stream_loader(stream, reading, device, drop_last=True, seed=train_seed, collate_fn=collate_fn)
         return Loaders(layout, train, eval_loader, None, stream, position, None, None, _in_background(train, device))
     num_train = len(train_ds)
     steps_per_epoch = layout.steps_per_epoch(num_train)
     if steps_per_epoch == 0:
-        raise UsageError(f"--batch_size {training.batch_size} x {ctx.world_size} processes x --grad_accum_steps "
+        raise UsageError(f"--batch_size {training.batch_size} x {ctx.dp_size} processes x --grad_accum_steps "
                          f"{training.grad_accum_steps} = {layout.global_batch_size} exceeds the {num_train} training "
                          "samples; lower one of them")
     if ctx.is_main:
         say_left_out(num_train, layout)
-    sampler = GlobalOrderSampler(num_train, layout, ctx.rank, seed)
+    sampler = GlobalOrderSampler(num_train, layout, ctx.dp_rank, seed)
     train = make_loader(train_ds, sampler, reading, device, seed=train_seed, collate_fn=collate_fn)
     return Loaders(layout, train, eval_loader, sampler, None, None, num_train, steps_per_epoch,
                    _in_background(train, device))

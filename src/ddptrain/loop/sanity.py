@@ -77,7 +77,7 @@ class _FirstBatch:
     def read(self) -> None:
         """This rank's items, checked, collated and on the device."""
         loader, size = self.trainer.data.train, self.trainer.data.layout.micro_batch_size
-        start = self.ctx.rank * size  # the loaders' checks leave at least world x batch_size items
+        start = self.ctx.dp_rank * size  # the loaders' checks leave at least world x batch_size items
         samples = loader.dataset  # SeededSamples: the dataset and the run's seed
         keys = [(0, i) for i in range(start, start + size)]
         pairs = SeededSamples(_shallow_copy(samples.dataset), samples.seed).__getitems__(keys)

@@ -18,6 +18,7 @@ from torch import nn
 from ddptrain.data.batch import to_device
 from ddptrain.errors import TrainingError
 from ddptrain.loop.normalise import LossNormaliser
+from ddptrain.parallel.tensor import clip_grads, grad_norm
 
 
 class SampleLog:
@@ -172,11 +173,9 @@ class StepRunner:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()  # sharded gradients: the norm over every rank's shards
+        norm = grad_norm(grads)  # sharded gradients: the norm over every rank's shards
         if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, norm, foreach=True)
+            clip_grads(self.params, self.grad_clip, norm)
         # The gradients are averaged over ranks, so `norm` is identical on every rank: the non-finite
         # decision below is the same everywhere without another collective.
         # A norm is NaN, inf or finite and >= 0: 1.0 where it is not finite, in 2 ops (float32: the fused

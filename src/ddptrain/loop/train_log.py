@@ -178,10 +178,11 @@ class TrainLog:
             self._send(p, None)
         rows = p.gather()
         ctx, step = self.ctx, p.step
+        batches = rows[::ctx.tp_size]  # one rank of each tensor-parallel group: its ranks read the same batch
         window_base = (step - 1) // p.log_interval * p.log_interval
         flags = p.totals.flags
         bad_steps = [window_base + i + 1 for i, flag in enumerate(flags) if flag]
-        loss_sum, count = sum(r[0] for r in rows), sum(r[1] for r in rows)
+        loss_sum, count = sum(r[0] for r in batches), sum(r[1] for r in batches)
         bad_loss_ranks = [rank for rank, r in enumerate(rows) if r[2] > 0]
         where = f"non-finite loss on rank(s) {bad_loss_ranks}" if bad_loss_ranks else "non-finite gradients"
         if (bad_steps or bad_loss_ranks) and ctx.is_main:
@@ -208,18 +209,18 @@ class TrainLog:
             **self._straggler_fields([r[3:6] for r in rows]),
         }
         if self.unit == "tokens":
-            tokens = [r[6] for r in rows]
+            tokens = [r[6] for r in batches]
             # Trained tokens (the labels that count: a masked prompt's are not) and input tokens (what the model
             # read, padding aside): per second, all ranks and per rank.
-            for kind, count in (("train", sum(tokens)), ("input", sum(r[10] for r in rows))):
+            for kind, count in (("train", sum(tokens)), ("input", sum(r[10] for r in batches))):
                 record[f"{kind}_tokens_per_sec"] = count / elapsed if elapsed > 0 else 0.0
                 record[f"{kind}_tokens_per_sec_per_rank"] = record[f"{kind}_tokens_per_sec"] / ctx.world_size
             # Ranks that train on unequal numbers of tokens do unequal work (padded rows, bins filled unevenly):
             # the most of a rank over the mean.
             record["token_skew"] = max(tokens) * len(tokens) / sum(tokens) if sum(tokens) else 1.0
-            positions = sum(r[8] for r in rows)
+            positions = sum(r[8] for r in batches)
             if positions:  # padded batches: the share of their positions that are padding (--packing saves it)
-                record["pad_fraction"] = sum(r[9] for r in rows) / positions
+                record["pad_fraction"] = sum(r[9] for r in batches) / positions
         mfu = perf.mfu(record["samples_per_sec_per_rank"], self.flops_per_sample, self.peak_tflops)
         if mfu is not None:
             record["mfu"] = mfu

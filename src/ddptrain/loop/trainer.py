@@ -70,14 +70,16 @@ class Trainer:
         parts, data, training = parts or Parts(), cfg.section("data"), cfg.section("training")
         built = plugged(cfg, parts)  # the task, data and model the config names where the user's code gave none
         self.task, (train_ds, eval_ds) = built.task, built.datasets
-        # Data first: its size decides the schedule. Global batch = micro batch x world x accumulation.
-        layout = BatchLayout(cfg.batch_size, ctx.world_size, cfg.grad_accum_steps)
+        # Data first: its size decides the schedule. Global batch = micro batch x data-parallel ranks x accumulation.
+        layout = BatchLayout(cfg.batch_size, ctx.dp_size, cfg.grad_accum_steps)
         self.data = build_loaders(data, training, ctx, layout, train_ds, eval_ds, parts.collate_fn)
-        # The model, identical on every rank (DDP would broadcast rank 0's anyway), LoRA's adapters injected.
+        # The model, identical on every rank (DDP would broadcast rank 0's anyway), LoRA's adapters injected; on
+        # the meta device under fsdp (filled shard by shard), not yet under --tp (materialize fills row shards).
         self.watchdog.phase("load")  # its weights come in: from files, or the seeded init (fsdp: after sharding)
         self.injector.at_load(0)
+        on_meta = cfg.strategy != "ddp" and cfg.tp == 1
         self.module = module = instantiate(data, cfg.section("finetune"), built.model, ctx.device, seed=cfg.seed,
-                                           sharded=cfg.strategy != "ddp", channels_last=cfg.channels_last)
+                                           sharded=on_meta, channels_last=cfg.channels_last)
         # Counted before the per-rank RNG streams start: reading a sample may draw augmentation randomness. A model
         # built on the meta device (fsdp: filled after sharding) is counted there, on a meta copy of the sample.
         on = torch.device("meta") if any(p.is_meta for p in module.parameters()) else ctx.device

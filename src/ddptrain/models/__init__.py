@@ -99,13 +99,14 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """`keep`: (batch, 1, length, length) which keys each query may attend to; None = causal."""
+        """`keep`: (batch, 1, length, length) which keys each query may attend to; None = causal. Under tensor
+        parallel `qkv` gives this rank's heads of q, k and v (GPT.tp_plan), so the heads are counted from it."""
         batch, length, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
-        heads = lambda t: t.view(batch, length, self.num_heads, width // self.num_heads).transpose(1, 2)  # noqa: E731
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=2)
+        heads = lambda t: t.view(batch, length, -1, width // self.num_heads).transpose(1, 2)  # noqa: E731
         attended = nn.functional.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=keep,
                                                               is_causal=keep is None)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, -1))
         return x + self.mlp(self.norm2(x))
 
 
@@ -114,6 +115,11 @@ class GPT(nn.Module):
     and an output layer tied to the token embedding. `forward(tokens)` -> (batch, length, vocab) logits."""
 
     fsdp_blocks = (Block,)  # the tied embedding/output matrix: split by vocabulary rows, or in the root unit
+    # --tp: how each block's layers split over a tensor-parallel group (parallel/tensor.py; transformers'
+    # `base_model_tp_plan` spelling). qkv is three projections in one: each rank keeps its heads of each.
+    # The rest (embeddings, norms, the tied head) is whole on every rank of the group.
+    tp_plan = {"blocks.*.qkv": "colwise_fused3", "blocks.*.proj": "rowwise",
+               "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 
     def __init__(self, vocab_size: int, seq_len: int, width: int, num_layers: int, num_heads: int):
         super().__init__()

@@ -49,10 +49,22 @@ class DistributedContext:
     interface: str = ""  # the network interface of `addr`
     addrs: list[str] = field(default_factory=list)  # address of each rank, gathered with the hosts
     timeout_s: float = 0.0  # the collective timeout in force on every group
+    tp_size: int = 1  # --tp: ranks per tensor-parallel group, tp consecutive ranks of one node
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: the ranks of a tensor-parallel group read the same micro-batch, so
+        the sampler, the loaders' seeds and the batch layout count groups, not ranks."""
+        return self.rank // self.tp_size
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel ranks (tensor-parallel groups) the job has."""
+        return self.world_size // self.tp_size
 
     @property
     def where(self) -> str:
@@ -218,13 +230,17 @@ def _enable_nccl_diagnostics(run_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[DistributedContext]:
-    """Initialise the process group for this worker and destroy it on every exit path.
+def distributed(backend: str, init_timeout_s: float, run_dir: Path, tp: int = 1) -> Iterator[DistributedContext]:
+    """Initialise the process group for this worker and destroy it on every exit path. `tp`: --tp, ranks per
+    tensor-parallel group (inside a node).
 
     Must be entered on all ranks. What holds a process group from C++ (a Trainer: DDP's reducer) must be
     unreachable from the caller when the block ends: it is collected here, before the groups (`_teardown`).
     """
     env = read_launch_env()
+    if env.world_size % tp or env.local_world_size % tp:
+        raise UsageError(f"--tp {tp} must divide the ranks of each node ({env.local_world_size} of a world of "
+                         f"{env.world_size}): a tensor-parallel group stays inside a node; change --tp or --nproc")
     backend = resolve_backend(backend)
     if backend == "nccl" and not torch.cuda.is_available():
         raise UsageError("--backend nccl needs CUDA devices; use --backend gloo (or auto) on CPU")
@@ -251,7 +267,7 @@ def distributed(backend: str, init_timeout_s: float, run_dir: Path) -> Iterator[
     try:
         ctx = DistributedContext(rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
                                  local_world_size=env.local_world_size, backend=backend, device=device,
-                                 host=socket.gethostname(), timeout_s=init_timeout_s)
+                                 host=socket.gethostname(), timeout_s=init_timeout_s, tp_size=tp)
         ctx.control_group = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
         ctx.addr, ctx.interface = netinfo.job_address()
         peers: list[tuple[str, str]] = [("", "")] * env.world_size

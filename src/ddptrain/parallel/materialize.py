@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ddptrain.errors import UsageError, first_line
 from ddptrain.models import meta
+from ddptrain.parallel import tensor as tensor_parallel
 
 log = logging.getLogger("ddptrain")
 
@@ -102,6 +103,8 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
 def whole_on_cpu(tensor: torch.Tensor) -> torch.Tensor:
     """The whole of `tensor` on this rank's CPU: a DTensor gathered (a collective: every rank calls it, in the
     same order), a plain tensor itself (not copied if it is there already)."""
+    if tensor_parallel.strided(tensor):  # --tp's fused qkv under FSDP2: DTensor's full_tensor gets its rows wrong
+        return tensor_parallel.whole(tensor).cpu()
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
 
 

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddptrain.config import load_plugin
 from ddptrain.errors import TrainingError, UsageError
 from ddptrain.models import hf
-from ddptrain.parallel import hostmem, materialize, vocab
+from ddptrain.parallel import hostmem, materialize, tensor, vocab
 from ddptrain.parallel.distributed import DistributedContext
 
 log = logging.getLogger("ddptrain")
@@ -113,6 +113,8 @@ class ShardedParallel:
     all-gathered before its forward and backward and freed after; its gradients are reduce-scattered. The
     root unit holds what no block does (embeddings, heads). Under `hsdp` the mesh is (nodes, ranks per node):
     shards live within a node and each node holds a replica, so only an all-reduce of shards crosses nodes.
+    Under --tp N the mesh is (dp, tp): each block's layers are first split over the N ranks of a tp group
+    (parallel/tensor.py), then FSDP2 shards every parameter over the dp dimension.
     Parameters are DTensors: the optimizer is the foreach one (the fused kernels have no sharded form).
 
     With accumulation, gradients are reduce-scattered on the last micro-step only: until then every rank holds
@@ -137,7 +139,12 @@ class ShardedParallel:
                              "one node")
         shape = (nodes, ctx.world_size // nodes) if nodes > 1 else (ctx.world_size,)
         names = ("replicate", "shard") if nodes > 1 else ("shard",)
+        if parallel.tp > 1:  # tp inside a node: a group is tp consecutive ranks (DistributedContext.dp_rank)
+            shape, names = (ctx.dp_size, parallel.tp), ("dp", "tp")
         self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+        if parallel.tp > 1:
+            tensor.parallelize(module, self.mesh["tp"])
+        data_mesh = self.mesh["dp"] if parallel.tp > 1 else self.mesh
         policy = precision_policy(parallel, use_amp)
         self.cpu_offload = parallel.cpu_offload
         if parallel.param_dtype == "bf16":
@@ -148,7 +155,7 @@ class ShardedParallel:
         # Offloaded shards live on the host from the start (as FSDP2 moves a built model's there).
         home = torch.device("cpu") if parallel.cpu_offload else ctx.device
         self.vocabulary = vocab.shard(module, self.mesh, home, policy.param_dtype) if vocab.wanted(parallel) else set()
-        shard = functools.partial(fully_shard, mesh=self.mesh, mp_policy=policy, offload_policy=offload,
+        shard = functools.partial(fully_shard, mesh=data_mesh, mp_policy=policy, offload_policy=offload,
                                   reshard_after_forward=parallel.reshard_after_forward,
                                   ignored_params=self.vocabulary or None)
         blocks = [b for b in fsdp_blocks(module, parallel.fsdp_blocks) if not vocab.only_vocabulary(b, self.vocabulary)]
@@ -259,8 +266,9 @@ class ShardedParallel:
 
     @torch.no_grad()
     def check_replicas(self) -> None:
-        """Under hsdp each node holds a replica of the shards: prove they are identical. (fsdp has none.)"""
-        if self.mesh.ndim == 2:
+        """Under hsdp each node holds a replica of the shards: prove they are identical. (fsdp has none; under --tp
+        the ranks of a group hold different parts of the split layers.)"""
+        if self.mesh.mesh_dim_names[0] == "replicate":
             _check_replicas(self.module, self.ctx, [r % self.mesh.size(1) for r in range(self.ctx.world_size)])
 
 

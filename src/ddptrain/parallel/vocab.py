@@ -45,8 +45,8 @@ NOT_TOKEN_IDS = "an embedding's token ids must be integers"  # the split lookup'
 
 
 def wanted(parallel: ParallelSettings) -> bool:
-    """Whether the [parallel] section asks for the split: --vocab_parallel under fsdp."""
-    return parallel.strategy == "fsdp" and parallel.vocab_parallel
+    """Whether the [parallel] section asks for the split: --vocab_parallel under fsdp, without --tp."""
+    return parallel.strategy == "fsdp" and parallel.vocab_parallel and parallel.tp == 1
 
 
 def vocab_weights(model: nn.Module) -> list[nn.Parameter]:
