@@ -1,11 +1,16 @@
 """Experiment trackers (docs/trackers.md) against a real MLflow tracking server on loopback (SQLite backend in a
 temporary directory), read back through MLflow's own client, and W&B offline, read back from its run files in
 the run dir with W&B's own reader (`wandb leet inspect --json`). MLflow's local SQLite store is also created cut
-part-way and by two processes at once. The last test stops the MLflow server mid-run."""
+part-way and by two processes at once. The last test stops the MLflow server mid-run.
+
+A job killed, restarted, preempted and rerun starts its workers three times. Where an MLflow test and a W&B test
+check the same such job, one run of it with both trackers on serves both (each tracker has its own thread and
+its own run), made once by a module fixture."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -13,9 +18,11 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -40,39 +47,49 @@ JOB = ["--model", "fault_plugins:dropout_mlp", "--dataset", "fault_plugins:slow_
        "--num_workers", "2", "--control_interval", "1"]
 MLFLOW = [*JOB, "--tracker", "mlflow"]
 STEPS = 16
+WANDB_OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+HAVE_WANDB = importlib.util.find_spec("wandb") is not None
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`mlflow server` with a SQLite store, on a free loopback port; its URI."""
-    work = tmp_path_factory.mktemp("mlflow")
+    """`mlflow server` with a SQLite store, on a free loopback port, without its job runner (a pool of processes
+    for MLflow's GenAI jobs, which a tracking server has no use for). The store is in memory where the system has
+    /dev/shm: SQLite waits for the disk at each commit, and the server commits at every request."""
+    log_path = tmp_path_factory.mktemp("mlflow") / "server.log"
     port = free_port()
     exe = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
-    log = open(work / "server.log", "w")
-    proc = subprocess.Popen([exe, "server", "--backend-store-uri", f"sqlite:///{work / 'store.db'}",
-                             "--default-artifact-root", str(work / "artifacts"), "--host", "127.0.0.1",
-                             "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
+    in_memory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with (tempfile.TemporaryDirectory(prefix="ddptrain-mlflow-", dir=in_memory) as work,
+          open(log_path, "w") as log):
+        proc = subprocess.Popen([exe, "server", "--backend-store-uri", f"sqlite:///{work}/store.db",
+                                 "--default-artifact-root", f"{work}/artifacts", "--host", "127.0.0.1",
+                                 "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+                                start_new_session=True)
+        running = SimpleServer(uri, proc)
         try:
-            with urllib.request.urlopen(f"{uri}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    break
-        except OSError:
-            pass
-        assert proc.poll() is None, (work / "server.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "mlflow server did not start"
-        time.sleep(0.5)
-    yield SimpleServer(uri, proc)
-    SimpleServer(uri, proc).stop()
-    log.close()
+            deadline = time.monotonic() + 180
+            while not running.healthy():
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, "mlflow server did not start"
+                time.sleep(0.05)
+            yield running
+        finally:
+            running.stop()
 
 
 class SimpleServer:
     def __init__(self, uri: str, proc: subprocess.Popen):
         self.uri, self.proc = uri, proc
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
 
     def stop(self) -> None:
         """SIGKILL the server and its workers (uvicorn runs in a child process of `mlflow server`)."""
@@ -106,55 +123,102 @@ def _runs(client: MlflowClient, experiment: str) -> list:
     return client.search_runs([found.experiment_id]) if found else []
 
 
-@pytest.mark.slow
-def test_a_killed_preempted_and_rerun_job_is_one_mlflow_run_with_each_step_once(tmp_path, server):
-    """Rank 1 SIGKILLed after step 7 once MLflow holds the line of step 6 (callback_plugins.KillWhenTracked),
-    so the launcher's restart from the step-4 checkpoint trains steps 5 and 6 again; the job then preempted by
-    SIGTERM after the step-8 checkpoint (exit 75), and the same command run again: MLflow holds ONE run, its
-    params the resolved config, train/loss at every step 1..16 exactly once with metrics.jsonl's values, the
-    eval metrics, and status FINISHED."""
+def _wait_until(done, proc: subprocess.Popen, what: str, every_s: float, limit_s: float = 180) -> None:
+    """Poll `done()` every `every_s` until it holds, while `proc` (a run started in the background) runs."""
+    deadline = time.monotonic() + limit_s
+    while not done():
+        assert proc.poll() is None, f"run ended before {what}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"no {what} in {limit_s} s"
+        time.sleep(every_s)
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """A job whose first launch lost a worker, was restarted and then preempted, and which was run again to its
+    end; with what the trackers held in between, for the tests that read it."""
+
+    run_dir: Path
+    experiment: str
+    mlflow_runs_when_preempted: tuple = ()  # the experiment's runs, read from the server after the preemption
+    wandb_when_preempted: tuple[dict, ...] = ()  # the records of the preempted attempt's W&B folder, before the rerun
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    return json.loads((run_dir / "trackers.json").read_text())["wandb"]["run_id"]
+
+
+def _trained_to(run_dir: Path, step: int) -> bool:
+    """Whether metrics.jsonl has a train line of `step` or later."""
+    return (run_dir / "metrics.jsonl").exists() and any(r["step"] >= step for r in metrics(run_dir, "train"))
+
+
+@pytest.fixture(scope="module")
+def killed_preempted_rerun(server, tmp_path_factory) -> Rerun:
+    """MLflow (and W&B offline) on JOB. Rank 1 SIGKILLed after step 7 once MLflow holds the line of step 6
+    (callback_plugins.KillWhenTracked), so the launcher's restart from the step-4 checkpoint trains steps 5 and 6
+    again; the job then preempted by SIGTERM after the step-8 checkpoint (exit 75), and the same command run
+    again with --tracker_log_model."""
+    run_dir = tmp_path_factory.mktemp("kill-preempt")
     experiment = f"kill-preempt-{uuid.uuid4().hex[:6]}"
+    env = {**server.env(experiment), **WANDB_OFFLINE, "WANDB_PROJECT": "kill-preempt"}
+    job = [*JOB, "--tracker", "mlflow,wandb" if HAVE_WANDB else "mlflow", "--callbacks",
+           "callback_plugins:KillWhenTracked"]
     client = MlflowClient(server.uri)
-    proc = _start(tmp_path, server.env(experiment), "--max_restarts", "1", "--callbacks",
-                  "callback_plugins:KillWhenTracked")
-    deadline = time.monotonic() + 180
-    while max((m.step for run in _runs(client, experiment)
-               for m in client.get_metric_history(run.info.run_id, "train/loss")), default=0) < 6:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.2)
-    (tmp_path / "tracked").touch()
-    wait_for(tmp_path / "checkpoints" / "step-8" / "manifest.json", proc)
+
+    def tracked(step: int) -> bool:
+        return max((m.step for run in _runs(client, experiment)
+                    for m in client.get_metric_history(run.info.run_id, "train/loss")), default=0) >= step
+
+    proc = _start(run_dir, env, "--max_restarts", "1", job=job)
+    # metrics.jsonl first: the file is cheap to poll, the server is not (it serves the run meanwhile)
+    _wait_until(lambda: _trained_to(run_dir, 6), proc, "step 6 in metrics.jsonl", every_s=0.01)
+    _wait_until(lambda: tracked(6), proc, "step 6 in MLflow", every_s=0.05)
+    (run_dir / "tracked").touch()
+    wait_for(run_dir / "checkpoints" / "step-8" / "manifest.json", proc)
     proc.send_signal(signal.SIGTERM)  # to the launcher: a scheduler's preemption
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 75, err
-    assert_restarted(proc_result(proc, err), tmp_path, from_step=4)
-    (run,) = _runs(client, experiment)
-    assert client.get_run(run.info.run_id).info.status == "KILLED"
-    assert run.data.tags["ddptrain.status"] == "preempted"
-    train(tmp_path, *MLFLOW, "--callbacks", "callback_plugins:KillWhenTracked", "--tracker_log_model", nproc=2,
-          env=server.env(experiment))
+    assert_restarted(proc_result(proc, err), run_dir, from_step=4)
+    runs = _runs(client, experiment)
+    train(run_dir, *job, "--tracker_log_model", nproc=2, env=env)
+    return Rerun(run_dir, experiment, mlflow_runs_when_preempted=tuple(runs))
 
-    (run,) = _runs(client, experiment)
-    run_id = json.loads((tmp_path / "trackers.json").read_text())["mlflow"]["run_id"]
+
+@pytest.mark.slow
+def test_a_killed_preempted_and_rerun_job_is_one_mlflow_run_with_each_step_once(killed_preempted_rerun, server):
+    """killed_preempted_rerun's job: MLflow holds ONE run, KILLED and tagged preempted after the preemption; after
+    the rerun its params the resolved config, train/loss at every step 1..16 exactly once with metrics.jsonl's
+    values, the eval metrics, the model and config as artifacts, and status FINISHED."""
+    job, client = killed_preempted_rerun, MlflowClient(server.uri)
+    (run,) = job.mlflow_runs_when_preempted
+    assert run.info.status == "KILLED" and run.data.tags["ddptrain.status"] == "preempted"
+
+    (run,) = _runs(client, job.experiment)
+    run_id = json.loads((job.run_dir / "trackers.json").read_text())["mlflow"]["run_id"]
     assert run.info.run_id == run_id and run.info.status == "FINISHED"
     assert run.data.tags["ddptrain.status"] == "finished" and run.data.tags["ddptrain.world_size"] == "2"
     assert run.data.params["lr"] == "0.1" and run.data.params["grad_accum_steps"] == "2"
     history = client.get_metric_history(run_id, "train/loss")
     assert sorted(m.step for m in history) == list(range(1, STEPS + 1)), "each log step exactly once"
-    jsonl = {r["step"]: r["loss"] for r in metrics(tmp_path, "train")}
+    jsonl = {r["step"]: r["loss"] for r in metrics(job.run_dir, "train")}
     assert {m.step: m.value for m in history} == jsonl
     evals = client.get_metric_history(run_id, "eval/loss")
     assert sorted(m.step for m in evals) == [8, 16]  # the epochs' ends, each once
     assert {"eval/accuracy", "train/samples_per_sec", "train/grad_norm"} <= set(run.data.metrics)
     artifacts = {a.path: a.file_size for a in client.list_artifacts(run_id)}
-    assert artifacts == {"model.safetensors": (tmp_path / "model.safetensors").stat().st_size,
-                         "config.toml": (tmp_path / "config.toml").stat().st_size}
+    assert artifacts == {"model.safetensors": (job.run_dir / "model.safetensors").stat().st_size,
+                         "config.toml": (job.run_dir / "config.toml").stat().st_size}
 
 
 # 24 steps: the first attempt is killed at step 12 (--inject_fault), the restart resumes from the step-8
 # checkpoint, the test preempts it once it has committed step 12 (12 steps before the end), the rerun finishes.
 LONG_JOB = [*JOB, "--epochs", "3"]
 LONG_STEPS = 24
+# The early-kill job whose killed rank is this one runs W&B offline beside MLflow, for the W&B test.
+WANDB_KILLED_RANK = 1
+# MLflow's requests to the stopped server give up after one try of a second (ddptrain's default is 10 s with
+# one retry): the attempts that meet it end sooner, and send it the same nothing.
+UNANSWERED_FAST = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "1", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
 
 
 def _kill_restart_preempt(run_dir: Path, env: dict[str, str], job: list[str], killed_rank: int) -> None:
@@ -169,33 +233,63 @@ def _kill_restart_preempt(run_dir: Path, env: dict[str, str], job: list[str], ki
     assert_restarted(proc_result(proc, err), run_dir, from_step=8)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("killed_rank", [1, 0])
-def test_lines_a_killed_first_attempt_never_sent_reach_mlflow_after_the_restart_and_rerun(tmp_path, server,
-                                                                                         killed_rank):
-    """Issue 35 item 4. The server is SIGSTOPped until the restarted attempt has committed step 12, so whatever
-    the machine's speed the first attempt (rank `killed_rank` SIGKILLed at step 12) sends MLflow nothing: steps
-    1..11 are in metrics.jsonl only, as when a first attempt dies seconds after it started (the tracker thread
-    still opening, or its queue lost with rank 0). The restart, the preemption and the rerun must leave ONE run,
-    FINISHED, with train/loss at every step 1..24 exactly once and metrics.jsonl's values."""
+def _early_kill(run_dir: Path, server: SimpleServer, killed_rank: int) -> Rerun:
+    """LONG_JOB with MLflow (and W&B offline where rank WANDB_KILLED_RANK is killed). The server is SIGSTOPped
+    until the restarted attempt has committed step 12, so whatever the machine's speed the first attempt (rank
+    `killed_rank` SIGKILLed at step 12) sends MLflow nothing. Once the job is preempted, the tail of the preempted
+    attempt's W&B run file is zero-filled, as a node crash leaves it; then the job is rerun."""
     experiment = f"early-kill-{killed_rank}-{uuid.uuid4().hex[:6]}"
-    client = MlflowClient(server.uri)
-    job = [*LONG_JOB, "--tracker", "mlflow"]
-    # Requests to the stopped server give up in seconds (ddptrain's default is 10 s, with one retry).
-    env = {**server.env(experiment), "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}
+    env = server.env(experiment)
+    tracker = "mlflow"
+    if killed_rank == WANDB_KILLED_RANK and HAVE_WANDB:
+        env, tracker = {**env, **WANDB_OFFLINE, "WANDB_PROJECT": "early-kill"}, "mlflow,wandb"
+    job = [*LONG_JOB, "--tracker", tracker]
     server.pause()
     try:
-        _kill_restart_preempt(tmp_path, env, job, killed_rank)
+        _kill_restart_preempt(run_dir, {**env, **UNANSWERED_FAST}, job, killed_rank)
     finally:
         server.resume()
-    train(tmp_path, *job, nproc=2, env=env)
+    records = []
+    if "wandb" in tracker:
+        preempted = sorted((run_dir / "wandb").glob(f"offline-run-*-{wandb_run_id(run_dir)}"))[-1]
+        records = wandb_inspect(preempted)
+        run_file = preempted / f"run-{wandb_run_id(run_dir)}.wandb"
+        size = run_file.stat().st_size
+        with open(run_file, "r+b") as fh:
+            fh.seek(size // 2)
+            fh.write(bytes(size - size // 2))
+    train(run_dir, *job, nproc=2, env=env)
+    return Rerun(run_dir, experiment, wandb_when_preempted=tuple(records))
 
-    (run,) = _runs(client, experiment)
+
+@pytest.fixture(scope="module")
+def early_kill(server, tmp_path_factory):
+    """killed rank -> _early_kill's job with that rank killed, run once for the tests that read it."""
+    jobs: dict[int, Rerun] = {}
+
+    def job(killed_rank: int) -> Rerun:
+        if killed_rank not in jobs:
+            jobs[killed_rank] = _early_kill(tmp_path_factory.mktemp(f"early-kill-{killed_rank}"), server, killed_rank)
+        return jobs[killed_rank]
+
+    return job
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed_rank", [1, 0])
+def test_lines_a_killed_first_attempt_never_sent_reach_mlflow_after_the_restart_and_rerun(early_kill, server,
+                                                                                         killed_rank):
+    """Issue 35 item 4. _early_kill's job: steps 1..11 are in metrics.jsonl only, as when a first attempt dies
+    seconds after it started (the tracker thread still opening, or its queue lost with rank 0). The restart, the
+    preemption and the rerun must leave ONE run, FINISHED, with train/loss at every step 1..24 exactly once and
+    metrics.jsonl's values."""
+    job, client = early_kill(killed_rank), MlflowClient(server.uri)
+    (run,) = _runs(client, job.experiment)
     assert run.info.status == "FINISHED" and run.data.tags["ddptrain.status"] == "finished"
     assert run.data.params["lr"] == "0.1"
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert sorted(m.step for m in history) == list(range(1, LONG_STEPS + 1)), "each log step exactly once"
-    assert {m.step: m.value for m in history} == {r["step"]: r["loss"] for r in metrics(tmp_path, "train")}
+    assert {m.step: m.value for m in history} == {r["step"]: r["loss"] for r in metrics(job.run_dir, "train")}
     evals = client.get_metric_history(run.info.run_id, "eval/loss")
     assert sorted(m.step for m in evals) == [8, 16, 24]
 
@@ -218,35 +312,25 @@ def wandb_ending(records: list[dict]) -> tuple[int | None, str | None]:
 
 
 @pytest.mark.slow
-def test_a_damaged_earlier_wandb_file_does_not_stop_logging_and_the_newest_offline_run_holds_every_step(tmp_path):
-    """Issue 35 item 5. W&B offline, the job of the MLflow test above (rank 1 SIGKILLed at step 12, restarted,
-    preempted); then the tail of the preempted attempt's run file is zero-filled, as a node crash leaves it, and
-    the job is rerun. The rerun's folder, read back with W&B's own reader, holds train/loss at every step 1..24
-    exactly once with metrics.jsonl's values, the evals, the config, exit 0 and status finished: every attempt's
-    folder is a whole mirror of metrics.jsonl up to its end, so `wandb sync` of the newest is the run. No attempt
-    made more than one folder."""
-    pytest.importorskip("wandb")
-    env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "early-kill", "WANDB_SILENT": "true"}
-    job = [*LONG_JOB, "--tracker", "wandb"]
-    _kill_restart_preempt(tmp_path, env, job, killed_rank=1)
-    run_id = json.loads((tmp_path / "trackers.json").read_text())["wandb"]["run_id"]
-    preempted = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))[-1]
-    assert wandb_ending(wandb_inspect(preempted)) == (75, "preempted")
-    run_file = preempted / f"run-{run_id}.wandb"
-    size = run_file.stat().st_size
-    with open(run_file, "r+b") as fh:
-        fh.seek(size // 2)
-        fh.write(bytes(size - size // 2))
-    train(tmp_path, *job, nproc=2, env=env)
-
-    folders = sorted((tmp_path / "wandb").glob("offline-run-*"))
+@pytest.mark.skipif(not HAVE_WANDB, reason="needs wandb")
+def test_a_damaged_earlier_wandb_file_does_not_stop_logging_and_the_newest_offline_run_holds_every_step(early_kill):
+    """Issue 35 item 5. W&B offline, the job of the MLflow test above with rank 1 killed (_early_kill: SIGKILLed
+    at step 12, restarted, preempted; the tail of the preempted attempt's run file zero-filled; rerun). The
+    rerun's folder, read back with W&B's own reader, holds train/loss at every step 1..24 exactly once with
+    metrics.jsonl's values, the evals, the config, exit 0 and status finished: every attempt's folder is a whole
+    mirror of metrics.jsonl up to its end, so `wandb sync` of the newest is the run. No attempt made more than
+    one folder."""
+    job = early_kill(WANDB_KILLED_RANK)
+    assert wandb_ending(job.wandb_when_preempted) == (75, "preempted")
+    run_id = wandb_run_id(job.run_dir)
+    folders = sorted((job.run_dir / "wandb").glob("offline-run-*"))
     assert all(f.name.endswith(f"-{run_id}") for f in folders), folders
     assert len(folders) <= 3, f"three attempts, {len(folders)} folders"
     records = wandb_inspect(folders[-1])
     rows = [r["history"]["item"] for r in records if r["type"] == "history"]
     losses = [(row["_step"], row["train/loss"]) for row in rows if "train/loss" in row]
     assert sorted(step for step, _ in losses) == list(range(1, LONG_STEPS + 1)), "each log step exactly once"
-    assert dict(losses) == {r["step"]: r["loss"] for r in metrics(tmp_path, "train")}
+    assert dict(losses) == {r["step"]: r["loss"] for r in metrics(job.run_dir, "train")}
     assert sorted(row["_step"] for row in rows if "eval/loss" in row) == [8, 16, 24]
     (run,) = [r["run"] for r in records if r["type"] == "run"]
     config = run["config"]["update"]
@@ -399,27 +483,17 @@ def test_two_runs_creating_one_new_mlflow_sqlite_store_at_once_both_land_in_it_w
     assert not list(tmp_path.glob(".mlflow.db.*"))
 
 
-def test_a_killed_preempted_and_rerun_job_is_one_offline_wandb_run_each_folder_a_whole_mirror(tmp_path):
-    """The MLflow test's job with --tracker wandb and WANDB_MODE=offline, read back with W&B's own reader: every
-    attempt's folder in RUN_DIR/wandb/ (one per attempt at most, one run id) holds train/loss at steps 1..k
-    exactly once with metrics.jsonl's values, k where the attempt ended, the preempted one past step 8 with exit
-    75 and status preempted; the rerun's folder every step 1..16, the evals, the config, exit 0 and finished."""
-    pytest.importorskip("wandb")
-    env = {"WANDB_MODE": "offline", "WANDB_PROJECT": "kill-preempt", "WANDB_SILENT": "true"}
-    job = [*JOB, "--tracker", "wandb", "--callbacks", "callback_plugins:KillWhenTracked"]
-    (tmp_path / "tracked").touch()  # rank 1 kills itself after step 7 unasked
-    proc = _start(tmp_path, env, "--max_restarts", "1", job=job)
-    wait_for(tmp_path / "checkpoints" / "step-8" / "manifest.json", proc)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=180)
-    assert proc.returncode == 75, err
-    assert_restarted(proc_result(proc, err), tmp_path, from_step=4)
-    train(tmp_path, *job, nproc=2, env=env)
-
-    run_id = json.loads((tmp_path / "trackers.json").read_text())["wandb"]["run_id"]
-    folders = sorted((tmp_path / "wandb").glob("offline-run-*"))
+@pytest.mark.skipif(not HAVE_WANDB, reason="needs wandb")
+def test_a_killed_preempted_and_rerun_job_is_one_offline_wandb_run_each_folder_a_whole_mirror(killed_preempted_rerun):
+    """killed_preempted_rerun's job (the MLflow test's), read back with W&B's own reader: every attempt's folder in
+    RUN_DIR/wandb/ (one per attempt at most, one run id) holds train/loss at steps 1..k exactly once with
+    metrics.jsonl's values, k where the attempt ended, the preempted one past step 8 with exit 75 and status
+    preempted; the rerun's folder every step 1..16, the evals, the config, exit 0 and finished."""
+    run_dir = killed_preempted_rerun.run_dir
+    run_id = wandb_run_id(run_dir)
+    folders = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert 2 <= len(folders) <= 3 and all(f.name.endswith(f"-{run_id}") for f in folders), folders
-    jsonl = {r["step"]: r["loss"] for r in metrics(tmp_path, "train")}
+    jsonl = {r["step"]: r["loss"] for r in metrics(run_dir, "train")}
     inspected = {folder: wandb_inspect(folder) for folder in folders}
     ends = []
     for folder, records in inspected.items():

@@ -21,6 +21,9 @@ not bitwise, and there the tracker keeps the first value of such a step, metrics
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -56,32 +59,33 @@ MLFLOW_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
 def require_tracker(name: str, observe: ObserveSettings) -> None:
-    """UsageError naming the pip extra unless tracker `name`'s package imports; for MLflow, also unless its
-    store can be opened by what is installed."""
+    """UsageError naming the pip extra unless tracker `name`'s package is installed; for MLflow, also unless its
+    store can be opened by what is installed.
+
+    Found, not imported: every process of a job runs this check (the launcher before it starts the workers), and
+    only rank 0's tracker thread needs the package, whose import is slow."""
     if name not in EXTRAS:
         return
     module, extra = EXTRAS[name]
-    try:
-        __import__(module)
-    except ImportError:
-        raise UsageError(f"--tracker {name} needs the {module} package: pip install 'ddptrain[{extra}]'") from None
+    if importlib.util.find_spec(module) is None:
+        raise UsageError(f"--tracker {name} needs the {module} package: pip install 'ddptrain[{extra}]'")
     if name == "mlflow":
         uri = _mlflow_uri(observe)
-        if _scheme(uri) in MLFLOW_DATABASE_SCHEMES:
-            try:
-                import sqlalchemy  # noqa: F401
-            except ImportError:
-                raise UsageError(
-                    f"--tracker mlflow: the store {uri} is a database, which needs the full mlflow package "
-                    "(ddptrain[mlflow] installs mlflow-skinny, a client): pip install mlflow, or pass "
-                    "--mlflow_tracking_uri http://HOST:PORT of a tracking server") from None
+        if _scheme(uri) in MLFLOW_DATABASE_SCHEMES and importlib.util.find_spec("sqlalchemy") is None:
+            raise UsageError(
+                f"--tracker mlflow: the store {uri} is a database, which needs the full mlflow package "
+                "(ddptrain[mlflow] installs mlflow-skinny, a client): pip install mlflow, or pass "
+                "--mlflow_tracking_uri http://HOST:PORT of a tracking server")
 
 
 def _mlflow_uri(observe: ObserveSettings) -> str:
     """The MLflow store a run writes to: --mlflow_tracking_uri, else MLFLOW_TRACKING_URI, else MLflow's default."""
+    uri = observe.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
     import mlflow
 
-    return observe.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+    return mlflow.get_tracking_uri()
 
 
 def _scheme(uri: str) -> str:
@@ -279,6 +283,12 @@ class Trackers:
                  tags: dict[str, str], resume: bool):
         backends = {"mlflow": MlflowBackend, "wandb": WandbBackend}
         names = [name for name in names if name in backends]  # tensorboard is written by MetricSinks
+        for name in names:
+            # The package is imported here, before the first step (require_tracker only found it): on the
+            # tracker's thread its import would hold the GIL for long stretches of the first steps. A broken
+            # install is that thread's failure, which training outlives.
+            with contextlib.suppress(ImportError):
+                importlib.import_module(EXTRAS[name][0])
         record = run_dir / "metrics.jsonl"
         state = _read_state(run_dir)
         # Which run each tracker mirrors is settled here, on the training thread, before this attempt writes a
