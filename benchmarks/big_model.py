@@ -30,7 +30,7 @@ SIZES = {  # (LlamaConfig arguments, processes)
                   vocab_size=32000), 4),
     "quick": (dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                    vocab_size=32000), 4),
-    # The harness's check (tests/test_bench.py) on 1 rank: the section's code path is the same, and each process
+    # The harness's check (tests/e2e/test_bench.py) on 1 rank: the section's code path is the same, and each process
     # of its 4 launches pays torch's and transformers' imports.
     "tiny": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   vocab_size=2000), 1),

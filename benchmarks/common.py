@@ -24,7 +24,7 @@ class BenchError(RuntimeError):
 
 def python() -> str:
     """The interpreter every launch of the harness runs: `PYTHON_EXEC` where set (torchrun's own override of its
-    workers' interpreter, so a launch and the workers torchrun starts agree; tests/test_bench.py points it at a
+    workers' interpreter, so a launch and the workers torchrun starts agree; tests/e2e/test_bench.py points it at a
     warm start of the test session's), else this one."""
     return os.environ.get("PYTHON_EXEC") or sys.executable
 

@@ -7,7 +7,7 @@ On every visible GPU (one process each, NCCL):
   bf16 + channels_last; bf16 + channels_last + torch.compile (channels_last does nothing for the GPT):
   images/s or tokens/s of both sides and their ratio, MFU (model FLOPs / the GPU's dense bf16 peak) and the
   allocator's peak memory during each side's blocks;
-* the CUDA hot-path check: tests/test_hot_path.py's GPU test, which runs non-log steps under
+* the CUDA hot-path check: tests/loop/test_hot_path.py's GPU test, which runs non-log steps under
   `torch.cuda.set_sync_debug_mode("error")` (any host sync raises);
 * with >= 2 GPUs, nn.DataParallel (one process driving every GPU, the seed explainer's first way) against
   DDP (one process per GPU), both the raw loop (benchmarks/raw_loop.py), alternating launches.
@@ -165,12 +165,12 @@ def row(name: str, res: dict, block: int, argv: list[str]) -> Row:
 
 
 def hot_path_row(name: str, work: Path, timeout_s: float) -> Row:
-    """tests/test_hot_path.py's GPU test, and --packing's loss on CUDA's sdpa (tests/test_packing.py), in a
+    """tests/loop/test_hot_path.py's GPU test, and --packing's loss on CUDA's sdpa (tests/data/test_packing.py), in a
     subprocess: they must run (not skip) and pass."""
     log = work / "hot_path.log"
     cmd = [python(), "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-           "tests/test_hot_path.py::test_no_cuda_sync_in_non_log_steps",
-           "tests/test_packing.py::test_on_cuda_packed_and_padded_agree_for_each_attention_kernel[sdpa]"]
+           "tests/loop/test_hot_path.py::test_no_cuda_sync_in_non_log_steps",
+           "tests/data/test_packing.py::test_on_cuda_packed_and_padded_agree_for_each_attention_kernel[sdpa]"]
     try:
         run_logged(cmd, log, bench_env(), timeout_s)
         passed = " passed" in log.read_text() and " skipped" not in log.read_text()
@@ -178,8 +178,8 @@ def hot_path_row(name: str, work: Path, timeout_s: float) -> Row:
     except BenchError as exc:
         passed, message = False, " MISS: " + str(exc).splitlines()[0]
     return Row("hot_path", name, "PASS" if passed else "FAIL", "-", "no sync" if passed else "sync found", "no sync",
-               passed, "non-log steps under torch.cuda.set_sync_debug_mode('error') (tests/test_hot_path.py); "
-               "packed = padded loss on CUDA sdpa (tests/test_packing.py)"
+               passed, "non-log steps under torch.cuda.set_sync_debug_mode('error') (tests/loop/test_hot_path.py); "
+               "packed = padded loss on CUDA sdpa (tests/data/test_packing.py)"
                + message, {"log": str(log)})
 
 

@@ -26,7 +26,7 @@ SIZES = {  # (LlamaConfig arguments, steps, processes)
     "quick": (dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
                    vocab_size=8000), 8, 2),
     "tiny": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  vocab_size=300), 4, 1),  # the harness's check (tests/test_bench.py): 1 process's imports
+                  vocab_size=300), 4, 1),  # the harness's check (tests/e2e/test_bench.py): 1 process's imports
 }
 BATCH, SEQ_LEN = 4, 128
 

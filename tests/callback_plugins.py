@@ -54,7 +54,7 @@ class Ledger(ddptrain.Callback):
 
 
 class KillWhenTracked(ddptrain.Callback):
-    """A fault for tests/test_trackers.py: in the first incarnation, rank 1 waits at the boundary after step 7
+    """A fault for tests/observe/test_trackers.py: in the first incarnation, rank 1 waits at the boundary after step 7
     until the test has seen the tracker hold the line of step 6 (the file RUN_DIR/tracked), then SIGKILLs
     itself. The launcher's restart from the step-4 checkpoint then trains steps 5 and 6 again, whose lines the
     tracker already has."""

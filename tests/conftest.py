@@ -12,6 +12,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent.parent / "src"))  # this checkout's ddptrain, whatever pip installed
 sys.path.insert(1, str(Path(__file__).parent))
 sys.path.insert(2, str(Path(__file__).parent.parent))  # benchmarks/ is a top-level package of the repo
+# The test folders (by subpackage, and e2e/): a file may import another's fixtures by module name, whichever folder
+# pytest collects first (basenames are unique across the folders).
+sys.path[3:3] = [str(folder) for folder in sorted(Path(__file__).parent.iterdir())
+                 if folder.is_dir() and any(folder.glob("test_*.py"))]
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DDPTRAIN_FAULT")
 

@@ -1,4 +1,4 @@
-"""`ddptrain.fit` as a user's script runs it (tests/test_user_paths.py):
+"""`ddptrain.fit` as a user's script runs it (tests/e2e/test_user_paths.py):
 
     python tests/fit_script.py RUN_DIR_OR_- MAX_STEPS [NPROC [MAX_RESTARTS]]
 

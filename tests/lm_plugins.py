@@ -1,4 +1,4 @@
-"""Plug-ins for padded, masked language-model batches in the Hugging Face convention (tests/test_loss_sums.py).
+"""Plug-ins for padded, masked language-model batches in the Hugging Face convention (tests/loop/test_loss_sums.py).
 
 `masked_lm`: sequences of random length, each a prompt whose labels are -100 followed by a response; items
 are dicts of 1-D tensors of their own length, which the default collate pads (input_ids with 0, labels with

@@ -1,4 +1,4 @@
-"""`ddptrain.fit` with the user's own optimizer and LR scheduler (tests/test_optim.py), as a script:
+"""`ddptrain.fit` with the user's own optimizer and LR scheduler (tests/loop/test_optim.py), as a script:
 
     python tests/optim_script.py RUN_DIR [--fail-at STEP] [--counting]
 

@@ -75,3 +75,14 @@ def test_only_the_assembly_sees_the_whole_config():
             seen.add(str(path.relative_to(SRC)))
     assert {"loop/trainer.py", "loop/plugins.py"} <= seen  # the check sees the assembly at all
     assert seen <= WHOLE_CONFIG, f"components that take the whole config, not their section: {seen - WHOLE_CONFIG}"
+
+
+def test_the_tests_mirror_the_package():
+    """tests/<subpackage>/ per subpackage of src/ddptrain that has tests, e2e/ for whole jobs; at the top only the
+    tests of the top-level modules and of the house itself."""
+    tests = Path(__file__).resolve().parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    subpackages = {p.name for p in SRC.iterdir() if (p / "__init__.py").is_file()}
+    assert folders - {"e2e"} <= subpackages, folders - subpackages
+    top = {p.stem for p in tests.glob("test_*.py")}
+    assert top == {"test_bad_input", "test_config", "test_docs", "test_house", "test_packaging", "test_zygote"}, top

@@ -1,4 +1,4 @@
-"""Plug-ins for tests/test_user_paths.py: the ordinary things users bring that once gave silently wrong results."""
+"""Plug-ins for tests/e2e/test_user_paths.py: the ordinary things users bring that once gave silently wrong results."""
 
 from __future__ import annotations
 

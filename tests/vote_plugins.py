@@ -1,4 +1,4 @@
-"""Plug-ins for tests/test_control_vote.py (importable because tests/ is on PYTHONPATH in helpers.cli_env)."""
+"""Plug-ins for tests/loop/test_control_vote.py (importable because tests/ is on PYTHONPATH in helpers.cli_env)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ Run under torchrun with 2 processes (gloo):
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/worker_meta_init.py OUT.json DIR
 
-DIR holds the models' directories (tests/test_big_models.py writes them). Rank 0 writes OUT.json: per case,
+DIR holds the models' directories (tests/models/test_big_models.py writes them). Rank 0 writes OUT.json: per case,
 whether the fsdp build was on the meta device and the names of the tensors that differ; and, for the streamed
 save, the files it wrote and whether from_pretrained loads them as the trained model.
 """

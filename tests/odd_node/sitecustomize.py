@@ -4,7 +4,7 @@ On PYTHONPATH (Python imports `sitecustomize` at start-up) with ODD_NODE_RANK se
 is ODD_NODE_RANK, `doctor._probe_run_dir` probes a private temporary directory instead of the run dir, and
 `doctor.code_hash` returns ODD_NODE_CODE_HASH. The rank is read when they are called, not at start-up: the
 local launcher's workers are forked from a process that started before it had a rank. Every other process
-and rank is left alone. tests/test_doctor.py uses it, so that the problem reports are tested on one machine
+and rank is left alone. tests/tools/test_doctor.py uses it, so that the problem reports are tested on one machine
 without a test hook in the product.
 """
 

@@ -6,8 +6,8 @@ yet is refused with one line."""
 from __future__ import annotations
 
 import pytest
-from helpers import TINY, assert_bitwise_equal, assert_trained, cli_in_process, initial_weights, one_line_error, \
-    train, weights
+from helpers import TINY, assert_bitwise_equal, assert_restarted, assert_trained, cli_in_process, initial_weights, \
+    one_line_error, train, weights
 
 # SGD (TINY's), a constant lr: the runs differ in how the work is spread only.
 GPT = ["--task", "language_model", "--model", "gpt", "--dataset", "pydoc", "--vocab_size", "256", "--seq_len", "32",
@@ -50,3 +50,24 @@ def test_what_tp_does_not_combine_with_yet_is_one_line(tmp_path, flags, names):
     line = one_line_error(cli_in_process(["train", *TINY, "--task", "language_model", "--dataset", "pydoc",
                                           "--run_dir", str(tmp_path), "--max_steps", "1", *flags]))
     assert "--tp" in line and names in line, line
+
+
+@pytest.mark.slow
+def test_a_tp_checkpoint_resumes_onto_other_shapes_and_a_killed_tp_run_restarts_bitwise(tmp_path):
+    """Issue 58's checkpoints: a 2 x 2 (dp x tp) checkpoint resumed as dp 4, as tp 4 and on one process ends where
+    the unbroken run ends; killed between its save points and restarted, it ends bitwise."""
+    job = [*GPT, "--num_heads", "4", "--max_steps", "6"]  # 4 heads: tp 4 splits them
+    mesh, killed = tmp_path / "mesh", tmp_path / "killed"
+    train(mesh, *job, "--batch_size", "8", "--tp", "2", nproc=4)
+    step_3 = mesh / "checkpoints" / "step-3"
+    final = weights(mesh / "model.safetensors")
+    # The same global batch of 16 on each shape: dp 4 x 4, dp 1 x 16 (tp 4), one process x 16.
+    for name, flags, nproc in (("dp4", ["--batch_size", "4"], 4), ("tp4", ["--batch_size", "16", "--tp", "4"], 4),
+                               ("one", ["--batch_size", "16"], 1)):
+        train(tmp_path / name, *job, *flags, "--resume_from", str(step_3), "--accept_config_change", nproc=nproc)
+        assert "resuming from" in (tmp_path / name / "logs" / "rank-0.log").read_text()
+        assert max_diff(weights(tmp_path / name / "model.safetensors"), final) <= 1e-6, name
+    proc = train(killed, *job, "--batch_size", "8", "--tp", "2", "--max_restarts", "1", nproc=4,
+                 env={"DDPTRAIN_FAULT": "rank=1,step=5,kind=sigkill"})
+    assert_restarted(proc, killed, from_step=3)
+    assert_bitwise_equal(weights(killed / "model.safetensors"), final)

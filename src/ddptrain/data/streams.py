@@ -16,7 +16,7 @@ world size and `--num_workers`. The shares depend on S, so a resume with another
 When a rank's share ends, that rank starts its next epoch (the dataset's `set_epoch(epoch)` is called if it
 has one); ranks never wait for each other on the data, and `--max_steps` ends training.
 
-User docs: docs/tasks.md, section "Iterable datasets" (tests: tests/test_streams.py).
+User docs: docs/tasks.md, section "Iterable datasets" (tests: tests/data/test_streams.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Tasks beyond classification, structured batches, token streams and the Python API, on real processes.
 
 For each built-in task: 2 processes equal 1 process with the same global batch, and a killed-and-restarted
-run ends bitwise where an uninterrupted one ends (classification: tests/test_equivalence.py and
-tests/test_resume.py). A plug-in model that takes a dict and a plug-in task train on 2 processes with eval
+run ends bitwise where an uninterrupted one ends (classification: tests/e2e/test_equivalence.py and
+tests/e2e/test_resume.py). A plug-in model that takes a dict and a plug-in task train on 2 processes with eval
 metrics equal to a single-process evaluation of the exported weights.
 """
 

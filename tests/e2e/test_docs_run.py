@@ -47,14 +47,14 @@ MAKE_RUN = "ddptrain train --config configs/quickstart.toml"  # the Makefile's `
 SKIP = {  # regex on the command -> why it does not run here
     r"^make test\b|\bpytest\b": "runs the test suite, of which this test is a part",
     r"^python -m venv|^pip install": "installs: this test runs in the installed .venv, and pip needs the network",
-    r"^make bench|benchmarks\.run": "a benchmark, minutes long (tests/test_bench.py runs every section at toy size)",
-    r"benchmarks/gpu\.sh": "needs CUDA (tests/test_bench_gpu.py checks its harness on CPU)",
+    r"^make bench|benchmarks\.run": "a benchmark, minutes long (tests/e2e/test_bench.py runs every section at toy size)",
+    r"benchmarks/gpu\.sh": "needs CUDA (tests/e2e/test_bench_gpu.py checks its harness on CPU)",
     r"^tensorboard ": "a server that runs until stopped (CHECKS look for the event files it would read)",
     r"cifar10\.toml": "reads the CIFAR-10 files, which are never downloaded (docs/data.md; "
-                      "tests/test_image_datasets.py trains on files in that format)",
+                      "tests/data/test_image_datasets.py trains on files in that format)",
     r"--nnodes|NNODES=|^export NNODES|NODE_RANK=|RDZV_ENDPOINT|/shared/":
-        "multi-node: one command per node (tests/test_multinode.py runs two hosts in network namespaces)",
-    r"\bsbatch\b": "SLURM (tests/test_launch_templates.py runs slurm.sbatch with a fake srun)",
+        "multi-node: one command per node (tests/e2e/test_multinode.py runs two hosts in network namespaces)",
+    r"\bsbatch\b": "SLURM (tests/e2e/test_launch_templates.py runs slurm.sbatch with a fake srun)",
 }
 
 SHORTEN = {  # doc text -> what runs here, and why

@@ -151,7 +151,7 @@ def test_compile_under_fsdp_compiles_each_block_and_trains_what_eager_trains(tmp
 
 
 def first_call_settled() -> None:
-    """See tests/test_hf.py: a process's first multi-threaded tanh may differ by 1e-5; compare later calls."""
+    """See tests/models/test_hf.py: a process's first multi-threaded tanh may differ by 1e-5; compare later calls."""
     torch.tanh(torch.linspace(-3, 3, 8192))
 
 

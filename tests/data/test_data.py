@@ -303,7 +303,7 @@ def test_loader_workers_start_while_another_thread_runs_collectives(tmp_path):
     from ddptrain.data.pipeline import fork_is_safe
 
     out = tmp_path / "out"
-    runs.torchrun([str(Path(__file__).parent / "worker_loader_starts.py"), str(out), "30"], timeout=600)
+    runs.torchrun([str(Path(__file__).parents[1] / "worker_loader_starts.py"), str(out), "30"], timeout=600)
     for rank in (0, 1):
         starts = json.loads((out / f"starts-{rank}.json").read_text())
         assert starts["passes"] == 30 and starts["timeouts"] == 0, starts

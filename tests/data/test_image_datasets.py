@@ -168,7 +168,7 @@ def test_config_flags_must_fit_the_data(tmp_path):
 
 def test_shipped_cifar10_config_validates_against_cifar_files(tmp_path):
     write_cifar10(tmp_path)
-    cfg = resolve_config(["--config", str(Path(__file__).parents[1] / "configs" / "cifar10.toml"),
+    cfg = resolve_config(["--config", str(Path(__file__).parents[2] / "configs" / "cifar10.toml"),
                           "--data_dir", str(tmp_path)])
     check_data(cfg)
     assert (cfg.dataset, cfg.num_classes, cfg.image_size, cfg.in_channels) == ("cifar10", 10, 32, 3)
