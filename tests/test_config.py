@@ -92,6 +92,9 @@ def test_to_toml_round_trips_awkward_values(tmp_path: Path):
     path = tmp_path / "config.toml"
     path.write_text(to_toml(cfg))
     assert resolve_config(["--config", str(path)], validate=False) == cfg
+    import tomllib
+
+    assert tomllib.loads(path.read_text())["lr"] == 1e-4, "each key at the top level, as scripts read config.toml"
 
 
 def test_a_runs_resolved_config_round_trips_through_config(tmp_path_factory):

@@ -335,11 +335,12 @@ def toml_value(value: bool | int | float | str) -> str:
 
 
 def to_toml(cfg: TrainConfig) -> str:
-    """The resolved config as TOML that `--config` reads back unchanged: one [table] per section."""
+    """The resolved config as TOML that `--config` reads back unchanged: every key at the top level, as
+    RUN_DIR/config.toml has always been read (`tomllib.load(...)["width"]`), under a comment naming its section."""
     lines = ["# Resolved ddptrain config (defaults < --config file < command line)."]
     for table, section in SECTIONS.items():
-        lines += ["", f"[{table}]"] + [f"{f.name} = {toml_value(getattr(cfg, f.name))}"
-                                      for f in dataclasses.fields(section)]
+        lines += ["", f"# [{table}] {section.TITLE}"] + [f"{f.name} = {toml_value(getattr(cfg, f.name))}"
+                                                        for f in dataclasses.fields(section)]
     return "\n".join(lines) + "\n"
 
 
