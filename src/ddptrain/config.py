@@ -172,10 +172,10 @@ class TrainConfig:
 
     def _check_tensor_parallel(self) -> None:
         """--tp's rules that join sections: the models with a plan, what is not combined with it yet."""
-        if self.model != "gpt":
+        if self.model != "gpt" and not self.model.startswith("hf:"):
             raise UsageError(f"--tp {self.tp}: --model {self.model} has no tensor-parallel plan (the built-in gpt "
-                             "has one so far); pass --tp 1")
-        if self.num_heads % self.tp:
+                             "has one, and transformers models with a base_model_tp_plan); pass --tp 1")
+        if self.model == "gpt" and self.num_heads % self.tp:
             raise UsageError(f"--tp {self.tp} splits the attention heads over the ranks of a group: --num_heads "
                              f"{self.num_heads} must be a multiple of it; pass --num_heads "
                              f"{self.num_heads // self.tp * self.tp or self.tp}")

@@ -272,7 +272,8 @@ class ParallelSettings(Section):
                         "a node, replicated across nodes")
     tp: int = opt(1, "tensor parallel: split each block's layers over this many ranks of a node (a 2-D mesh, "
                   "data-parallel x tensor-parallel; the ranks of one group read the same micro-batch). With "
-                  "--strategy fsdp and the built-in gpt so far", min=1)
+                  "--strategy fsdp, for the built-in gpt and transformers models with a base_model_tp_plan so far",
+                  min=1)
     fsdp_blocks: str = opt("", "fsdp/hsdp: the module classes sharded as one unit each, comma-separated class "
                            "names, or 'pkg.mod:fn' returning the modules (default: the model's fsdp_blocks)")
     fsdp_reduce_every_micro_step: bool = opt(False, "fsdp/hsdp with --grad_accum_steps > 1: reduce-scatter the "

@@ -9,7 +9,10 @@ that is three projections in one (a GPT's qkv): each rank keeps its share of eac
 compute on the same batch: the activations between the split layers are whole on every rank, and so are the
 gradients of the parameters that are not split (the input gradient of a colwise layer is summed over the group).
 
-Not yet: a SequenceParallel split of the norms, a vocabulary-parallel loss, plans of transformers models.
+A transformers model (`--model hf:...`) splits by its own config's `base_model_tp_plan`, names under its base
+model (`model.`), where each style it names is one of ours (HF_STYLES); a plan with another style is refused.
+
+Not yet: a SequenceParallel split of the norms, a vocabulary-parallel loss, transformers' other styles.
 """
 
 from __future__ import annotations
@@ -65,24 +68,54 @@ STYLES: dict[str, Any] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel
                           "colwise_fused3": functools.partial(FusedColwise, 3)}
 
 
+# transformers' style names (a config's `base_model_tp_plan`) that mean one of STYLES, and which.
+HF_STYLES = {"colwise": "colwise", "rowwise": "rowwise"}
+
+
+def plan_of(module: nn.Module) -> dict[str, str]:
+    """`module`'s plan in STYLES' names: its `tp_plan` (the built-in gpt's), or a transformers model's own
+    `config.base_model_tp_plan` under its base model's prefix. Empty: it has none. A transformers style that is
+    not in HF_STYLES is refused (exit 2): the model's layers would compute on parts they were not split for."""
+    config = getattr(module, "config", None)
+    if not hasattr(config, "base_model_tp_plan"):
+        return dict(getattr(module, "tp_plan", None) or {})
+    plan = dict(config.base_model_tp_plan or {})
+    other = sorted(set(plan.values()) - set(HF_STYLES))
+    if other:
+        raise UsageError(f"--tp: {type(module).__name__}'s base_model_tp_plan uses {', '.join(other)}, which ddptrain "
+                         f"does not apply (only {', '.join(HF_STYLES)}); pass --tp 1")
+    prefix = "" if getattr(module, "base_model", module) is module else f"{module.base_model_prefix}."
+    return {prefix + name: HF_STYLES[style] for name, style in plan.items()}
+
+
+def _heads(module: nn.Module) -> list[tuple[str, int]]:
+    """(where, how many) of each count of attention heads a split must share out: a block's `num_heads`, a
+    transformers config's query and key/value heads."""
+    found = [(name, sub.num_heads) for name, sub in module.named_modules()
+             if isinstance(getattr(sub, "num_heads", None), int)]
+    config = getattr(module, "config", None)
+    return found + [(key, getattr(config, key)) for key in ("num_attention_heads", "num_key_value_heads")
+                    if isinstance(getattr(config, key, None), int)]
+
+
 def parallelize(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Split `module`'s layers over the tensor-parallel `mesh` by its `tp_plan`, in place (names unchanged).
-    A model without a plan, or whose attention heads the group cannot share out evenly, is refused (exit 2).
-    All ranks of the group."""
+    """Split `module`'s layers over the tensor-parallel `mesh` by its plan (`plan_of`), in place (names
+    unchanged). A model without a plan, or whose attention heads the group cannot share out evenly, is refused
+    (exit 2). All ranks of the group."""
     size = mesh.size()
-    plan = getattr(module, "tp_plan", None)
+    plan = plan_of(module)
     if not plan:
         raise UsageError(f"--tp {size}: the model ({type(module).__name__}) has no tensor-parallel plan (a `tp_plan` "
-                         "attribute, as the built-in gpt's); pass --tp 1")
+                         "attribute, as the built-in gpt's, or a transformers config's base_model_tp_plan); pass "
+                         "--tp 1")
     unknown = sorted(set(plan.values()) - set(STYLES))
     if unknown:
         raise UsageError(f"tp_plan of {type(module).__name__}: no style {', '.join(unknown)} (known: "
                          f"{', '.join(STYLES)})")
-    for name, sub in module.named_modules():
-        heads = getattr(sub, "num_heads", None)
-        if isinstance(heads, int) and heads % size:
+    for name, heads in _heads(module):
+        if heads % size:
             raise UsageError(f"--tp {size} splits the attention heads over a group: {name} has {heads}, not a "
-                             f"multiple of {size}; change --num_heads or --tp")
+                             f"multiple of {size}; change the model's heads or --tp")
     parallelize_module(module, mesh, {name: STYLES[style]() for name, style in plan.items()})
 
 
