@@ -14,13 +14,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import TINY, metrics, pid_of_rank, start_cli, train
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from ddptrain.parallel.distributed import DistributedContext
 from ddptrain.parallel.launch import _every_failure, _failure_text, _root_cause
 from ddptrain.parallel.watchdog import DONE, Watchdog, _process_state, _Watched
 
 HOST = socket.gethostname()
+
+
+def _context(rank: int, tp: int = 1, world: int = 2) -> DistributedContext:
+    """Rank `rank` of a job of `world` ranks, rank r on host hr, in this process (no process group)."""
+    return DistributedContext(rank=rank, local_rank=rank, world_size=world, local_world_size=world, backend="gloo",
+                              device=torch.device("cpu"), host=f"h{rank}", hosts=[f"h{r}" for r in range(world)],
+                              tp_size=tp)
 
 
 def test_hang_dumps_stacks_and_names_rank_host_step_phase(tmp_path):
@@ -113,10 +122,7 @@ def test_nccl_diagnostics_are_on_by_default_and_user_settings_win(tmp_path, monk
     ([(1, 3, "backward+all-reduce", 4.0)], (3, "data", 4.1), None),
 ])
 def test_furthest_behind_is_the_earliest_step_then_phase(peers, mine, behind):
-    class Ctx:
-        rank, host, world_size = 0, "h0", 3
-
-    dog = Watchdog(Ctx(), Path("unused.log"), 3.0, 60.0, 60.0, store=object())  # describe() only: no threads
+    dog = Watchdog(_context(rank=0, world=3), Path("unused.log"), 3.0, 60.0, 60.0, store=object())  # no threads
     dog.step, dog._phase, idle = mine
     dog._peers = lambda: [{"rank": r, "step": s, "phase": p, "idle_s": i, "host": f"h{r}", "age_s": 0.1}
                           for r, s, p, i in peers]
@@ -310,10 +316,7 @@ def test_an_external_sigstop_after_start_up_is_named(tmp_path):
 ])
 def test_a_peer_is_stopped_when_its_beat_is_unchanged_for_the_timeout(beat, changed_ago, read_ago, reading_for,
                                                                       named):
-    class Ctx:
-        rank, host, world_size, hosts = 1, "h1", 2, ["h0", "h1"]
-
-    dog = Watchdog(Ctx(), Path("unused.log"), 3.0, 60.0, 60.0, store=object())
+    dog = Watchdog(_context(rank=1), Path("unused.log"), 3.0, 60.0, 60.0, store=object())
     now = 1000.0
     dog._store_on_rank0 = True
     dog._watched = {0: _Watched({**beat, "step": 5, "host": "h0"}, now - changed_ago, now - read_ago)}
@@ -325,11 +328,10 @@ def test_a_peer_is_stopped_when_its_beat_is_unchanged_for_the_timeout(beat, chan
         assert verdict is None, verdict
 
 
-def test_a_peer_that_never_beat_is_named_after_the_start_up_limit():
-    class Ctx:
-        rank, host, world_size, hosts = 0, "h0", 2, ["h0", "h1"]
 
-    dog = Watchdog(Ctx(), Path("unused.log"), 3.0, 60.0, 60.0, store=object())
+
+def test_a_peer_that_never_beat_is_named_after_the_start_up_limit():
+    dog = Watchdog(_context(rank=0), Path("unused.log"), 3.0, 60.0, 60.0, store=object())
     dog._entered = 1000.0
     dog._watched = {1: _Watched(None, 0.0, 1059.0)}
     assert dog._stopped_peer(1059.0) is None  # a peer still starting up (rendezvous, first compile) may be slow
@@ -337,3 +339,15 @@ def test_a_peer_that_never_beat_is_named_after_the_start_up_limit():
     verdict = dog._stopped_peer(1061.0)
     assert verdict is not None and verdict[0] == 1, verdict
     assert verdict[1].startswith("rank 1 on host h1 stopped responding (no heartbeat in 61 s"), verdict
+
+
+def test_under_tp_a_hung_rank_is_named_with_its_data_parallel_rank_and_place_in_its_group():
+    """Issue 58: a report names the tensor-parallel group's member, not a bare rank."""
+    dog = Watchdog(_context(rank=0, tp=2), Path("unused.log"), 3.0, 60.0, 60.0, store=object())
+    dog._entered = 1000.0
+    dog._watched = {1: _Watched(None, 0.0, 1061.0)}
+    assert dog._stopped_peer(1061.0)[1].startswith("rank 1 on host h1 (dp 0, tp 1) stopped responding")
+    line, _ = dog._describe(70.0, [{"rank": 1, "host": "h1", "step": 4, "phase": "data", "idle_s": 70.0,
+                                     "age_s": 30.0}])
+    assert line.startswith("hang: rank 1 on host h1 (dp 0, tp 1) stopped responding") and \
+        line.endswith("rank 0 on host h0 (dp 0, tp 0) made no progress for 70 s at step 0 (phase startup)"), line

@@ -282,10 +282,10 @@ class TrainLog:
             streak = self._streak.get(rank, 0)
             self._streak[rank] = streak + 1 if own[rank] >= self.straggler_skew * median else 0
         if self._streak.get(slowest, 0) == 3:
-            log.warning("straggler: rank %d on host %s (%s) has been %.2fx the median time of data wait + "
-                        "forward for 3 log intervals", slowest, self.ctx.hosts[slowest], self.ctx.addrs[slowest],
-                        skew)
-        return {"slowest_rank": slowest, "slowest_host": self.ctx.hosts[slowest], "step_time_skew": skew,
+            log.warning("straggler: %s (%s) has been %.2fx the median time of data wait + forward for 3 log "
+                        "intervals", self.ctx.name(slowest), self.ctx.addrs[slowest], skew)
+        mesh = {"slowest_dp_rank": slowest // self.ctx.tp_size} if self.ctx.tp_size > 1 else {}
+        return {"slowest_rank": slowest, "slowest_host": self.ctx.hosts[slowest], **mesh, "step_time_skew": skew,
                 "data_wait_max_s": max(w for _, w, _ in per_rank),
                 "step_time_s_by_rank": [round(t, 6) for t in times],
                 "data_wait_s_by_rank": [round(w, 6) for _, w, _ in per_rank]}

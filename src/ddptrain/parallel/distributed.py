@@ -66,9 +66,13 @@ class DistributedContext:
         """How many data-parallel ranks (tensor-parallel groups) the job has."""
         return self.world_size // self.tp_size
 
-    @property
-    def where(self) -> str:
-        return f"rank {self.rank} on host {self.host}"
+    def name(self, rank: int, host: str | None = None) -> str:
+        """How reports name `rank`: "rank 3 on host h", and under --tp its place in the mesh, "(dp 1, tp 1)": the
+        data-parallel rank it reads as and its place in its tensor-parallel group. `host`: where the caller knows
+        it (a heartbeat's), else the one gathered at the start."""
+        host = host if host is not None else self.hosts[rank] if rank < len(self.hosts) else "?"
+        mesh = f" (dp {rank // self.tp_size}, tp {rank % self.tp_size})" if self.tp_size > 1 else ""
+        return f"rank {rank} on host {host}{mesh}"
 
     def barrier(self) -> None:
         """Must be called on all ranks."""

@@ -256,9 +256,8 @@ class Watchdog:
                 return rank, f"{self._name(rank)} stopped responding ({self._last(rank, now).removeprefix('; ')})"
         return None
 
-    def _name(self, rank: int) -> str:
-        hosts = getattr(self.ctx, "hosts", None) or []
-        return f"rank {rank} on host {hosts[rank] if rank < len(hosts) else '?'}"
+    def _name(self, rank: int, host: str | None = None) -> str:
+        return self.ctx.name(rank, host)
 
     def _last(self, rank: int, now: float) -> str:
         seen = self._watched.get(rank)
@@ -268,7 +267,7 @@ class Watchdog:
         return f"; last heartbeat {now - seen.changed_at:.0f} s ago at step {beat['step']}, phase {beat['phase']}"
 
     def _where(self, idle: float) -> str:
-        return (f"seen from rank {self.ctx.rank} on host {self.ctx.host}, idle {idle:.0f} s at step {self.step} "
+        return (f"seen from {self._name(self.ctx.rank, self.ctx.host)}, idle {idle:.0f} s at step {self.step} "
                 f"(phase {self._phase})")
 
     def _peers(self) -> list[dict]:
@@ -298,20 +297,20 @@ class Watchdog:
         """The line for this rank's own timer, and the peer it names as stopped: a peer whose
         beats stopped several intervals ago (a live rank's come every interval), else the peer furthest
         behind is named."""
-        me = f"rank {self.ctx.rank} on host {self.ctx.host}"
+        me = self._name(self.ctx.rank, self.ctx.host)
         line = f"{me} made no progress for {idle:.0f} s at step {self.step} (phase {self._phase})"
         peers = [p for p in peers if p["phase"] != DONE]
         silent = [p for p in peers if p.get("age_s", 0.0) > max(3 * self._interval(), 1.0)]
         if silent:
             worst = max(silent, key=lambda p: p["age_s"])
-            return (f"hang: rank {worst['rank']} on host {worst['host']} stopped responding (last heartbeat "
+            return (f"hang: {self._name(worst['rank'], worst['host'])} stopped responding (last heartbeat "
                     f"{worst['age_s']:.0f} s ago at step {worst['step']}, phase {worst['phase']}); {line}"), worst["rank"]
         line = f"hang: {line}"
         if peers:
             # The stuck rank is the one furthest behind: lowest step, then earliest phase, then longest idle.
             worst = min(peers, key=lambda p: _progress(p["step"], p["phase"], p["idle_s"]))
             if _progress(worst["step"], worst["phase"], worst["idle_s"]) < _progress(self.step, self._phase, idle):
-                line += (f"; rank {worst['rank']} on host {worst['host']} is furthest behind: step "
+                line += (f"; {self._name(worst['rank'], worst['host'])} is furthest behind: step "
                          f"{worst['step']}, phase {worst['phase']}, idle {worst['idle_s']:.0f} s")
         return line, None
 
