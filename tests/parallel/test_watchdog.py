@@ -148,6 +148,20 @@ def test_launcher_names_the_cause_not_the_ranks_that_lost_it(tmp_path):
     assert rank == 1 and _failure_text(cause).startswith("InjectedFault: injected fault")
 
 
+def test_a_rank_that_recorded_its_error_is_named_before_one_the_agent_found_without_a_record(tmp_path):
+    """Seen in CI: rank 1's watchdog recorded its hang and exited; rank 0, losing it, failed before its own error
+    was written, and the agent's stand-in for it (no record, stamped earlier) was named as the cause."""
+    hang = tmp_path / "error-1.json"
+    later = str(int(time.time()) + 100)
+    hang.write_text(json.dumps({"message": {"message": "hang: rank 1 on host h1 made no progress for 3 s at step 3",
+                                            "extraInfo": {"timestamp": later}}}))
+    failures = {0: ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(tmp_path / "none.json")),
+                1: ProcessFailure(local_rank=1, pid=101, exitcode=1, error_file=str(hang))}
+    assert failures[0].timestamp < failures[1].timestamp  # the stand-in is the earlier one
+    rank, cause = _root_cause(failures)
+    assert rank == 1 and _failure_text(cause).startswith("hang: rank 1"), _failure_text(cause)
+
+
 def test_launcher_names_a_cause_the_agent_stopped_before_it_exited(tmp_path):
     """The agent reports the workers it found failed at its first look: here only rank 0, which lost its
     peer, while rank 1, which raised first and recorded its error, was still aborting its process groups."""

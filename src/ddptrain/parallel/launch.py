@@ -306,19 +306,23 @@ def _root_cause(failures: dict):
     peer's own error (or a peer killed without an error file) can be named instead; errors that only say a
     peer went away rank after the others.
     """
-    def tier(item) -> int:  # 0: the rank's own error; 1: its death, as a peer on its host saw it; 2: a consequence
+    def tier(item) -> int:
+        """0: an error the rank recorded itself; 1: its death as a peer on its host saw it, or a failure it did not
+        record (the agent's stand-in: the rank was still writing its error when the agent looked); 2: a
+        consequence (a lost peer, the agent's SIGTERM)."""
         failure = item[1]
         text = _failure_text(failure)
         if failure.exitcode == -signal.SIGTERM and not _recorded(failure) or any(m in text for m in PEER_LOSS_MARKERS):
             return 2
-        return 1 if text.startswith(VANISHED) else 0
+        return 1 if text.startswith(VANISHED) or not _recorded(failure) else 0
 
     return min(failures.items(), key=lambda item: (tier(item), item[1].timestamp, item[0]))
 
 
 def _recorded(failure) -> bool:
-    """Whether the worker wrote its own error (the agent makes one up for a process that died silently)."""
-    return bool(failure.error_file_data)
+    """Whether the worker wrote its own error file. The agent makes up the data of one that did not (torch 2.13:
+    {"message": "<NONE>", ...}), so its file is what tells."""
+    return bool(failure.error_file) and os.path.isfile(failure.error_file)
 
 
 def _failure_outcome(exc: ChildFailedError, run_dir: Path | None, started: float, what: str) -> Outcome:

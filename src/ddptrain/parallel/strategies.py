@@ -141,9 +141,10 @@ class ShardedParallel:
         names = ("replicate", "shard") if nodes > 1 else ("shard",)
         if parallel.tp > 1:  # tp inside a node: a group is tp consecutive ranks (DistributedContext.dp_rank)
             shape, names = (ctx.dp_size, parallel.tp), ("dp", "tp")
+        plan = tensor.plan_for(module, parallel.tp) if parallel.tp > 1 else {}  # (refused before any group is made)
         self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
-        if parallel.tp > 1:
-            tensor.parallelize(module, self.mesh["tp"])
+        if plan:
+            tensor.parallelize(module, self.mesh["tp"], plan)
         data_mesh = self.mesh["dp"] if parallel.tp > 1 else self.mesh
         policy = precision_policy(parallel, use_amp)
         self.cpu_offload = parallel.cpu_offload

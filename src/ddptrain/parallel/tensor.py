@@ -98,11 +98,10 @@ def _heads(module: nn.Module) -> list[tuple[str, int]]:
                     if isinstance(getattr(config, key, None), int)]
 
 
-def parallelize(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Split `module`'s layers over the tensor-parallel `mesh` by its plan (`plan_of`), in place (names
-    unchanged). A model without a plan, or whose attention heads the group cannot share out evenly, is refused
-    (exit 2). All ranks of the group."""
-    size = mesh.size()
+def plan_for(module: nn.Module, size: int) -> dict[str, Any]:
+    """`module`'s plan (`plan_of`) as the styles that split it over a group of `size` ranks. A model without a
+    plan, or whose attention heads the group cannot share out evenly, is refused (exit 2). Asked before the
+    mesh's groups are made, so that every rank refuses at the same point, none inside a collective."""
     plan = plan_of(module)
     if not plan:
         raise UsageError(f"--tp {size}: the model ({type(module).__name__}) has no tensor-parallel plan (a `tp_plan` "
@@ -116,7 +115,13 @@ def parallelize(module: nn.Module, mesh: DeviceMesh) -> None:
         if heads % size:
             raise UsageError(f"--tp {size} splits the attention heads over a group: {name} has {heads}, not a "
                              f"multiple of {size}; change the model's heads or --tp")
-    parallelize_module(module, mesh, {name: STYLES[style]() for name, style in plan.items()})
+    return {name: STYLES[style]() for name, style in plan.items()}
+
+
+def parallelize(module: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> None:
+    """Split `module`'s layers over the tensor-parallel `mesh` by `plan` (`plan_for`'s), in place (names
+    unchanged). All ranks of the group."""
+    parallelize_module(module, mesh, plan)
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
