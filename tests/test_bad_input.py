@@ -179,7 +179,10 @@ def test_the_launcher_names_a_rank_that_died_silently_before_the_peer_that_lost_
 
     def failure(text: str, timestamp: int) -> SimpleNamespace:
         message = {"message": text, "extraInfo": {"timestamp": str(timestamp)}}
-        return SimpleNamespace(exitcode=1, message=message, timestamp=timestamp, error_file_data={"message": message})
+        recorded = tmp_path / f"error-{timestamp}.json"  # each rank wrote its own (or a peer wrote it, for VANISHED)
+        recorded.write_text(json.dumps({"message": message}))
+        return SimpleNamespace(exitcode=1, message=message, timestamp=timestamp, error_file_data={"message": message},
+                               error_file=str(recorded))
 
     lost = failure("RuntimeError: [pair.cc:537] Read error [127.0.0.1]:3818: Connection reset by peer", 1)
     vanished = failure(f"{VANISHED}its process (pid 42) ended without an error of its own", 5)
@@ -197,7 +200,10 @@ def test_the_launcher_reports_the_first_line_of_a_workers_error(tmp_path):
 
     error = ddp_unused_parameter_error()
     message = {"message": f"RuntimeError: {error}", "extraInfo": {"timestamp": "0"}}
-    failure = SimpleNamespace(exitcode=1, message=message, timestamp=0, error_file_data={"message": message})
+    recorded = tmp_path / "error.json"
+    recorded.write_text(json.dumps({"message": message}))
+    failure = SimpleNamespace(exitcode=1, message=message, timestamp=0, error_file_data={"message": message},
+                              error_file=str(recorded))
     outcome = _failure_outcome(SimpleNamespace(failures={0: failure}), tmp_path, 0.0, "training")
     assert outcome.code == 1 and len(outcome.lines) == 1
     line = outcome.lines[0]
