@@ -18,7 +18,7 @@ from torch import nn
 from ddptrain.data.batch import to_device
 from ddptrain.errors import TrainingError
 from ddptrain.loop.normalise import LossNormaliser
-from ddptrain.parallel.tensor import clip_grads, grad_norm
+from ddptrain.parallel.tensor import by_mesh, clip_grads, grad_norm
 
 
 class SampleLog:
@@ -79,6 +79,7 @@ class StepRunner:
         self.ctx, self.parallel, self.task = ctx, parallel, task
         self.optimizer, self.scaler, self.autocast = optimizer, scaler, autocast
         self.params = [p for p in parallel.module.parameters() if p.requires_grad]
+        self.by_mesh = by_mesh(self.params)  # grad_norm's groups (under --tp, two meshes)
         self.watchdog, self.profiler, self.clock = services.watchdog, services.profiler, services.clock
         self.window, self.injector, self.sample_log = services.window, services.injector, services.sample_log
         self.normaliser = LossNormaliser(task, ctx, training.grad_accum_steps)
@@ -172,10 +173,9 @@ class StepRunner:
         """Unscale, clip, and update unless the gradient norm is not finite; returns the norm."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
-        grads = [p.grad for p in self.params if p.grad is not None]
-        norm = grad_norm(grads)  # sharded gradients: the norm over every rank's shards
+        norm = grad_norm(self.by_mesh)  # sharded gradients: the norm over every rank's shards
         if self.grad_clip > 0:
-            clip_grads(self.params, self.grad_clip, norm)
+            clip_grads(self.by_mesh, self.grad_clip, norm)
         # The gradients are averaged over ranks, so `norm` is identical on every rank: the non-finite
         # decision below is the same everywhere without another collective.
         # A norm is NaN, inf or finite and >= 0: 1.0 where it is not finite, in 2 ops (float32: the fused

@@ -124,31 +124,34 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> No
     parallelize_module(module, mesh, plan)
 
 
-def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all `grads` together, whole (a plain tensor), the same on every rank. All ranks.
+def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`params` grouped by the mesh they sit on (DTensors), plain tensors together: the groups `grad_norm` and
+    `clip_grads` take. A parameter's gradient sits on its mesh, so a stepper groups its parameters once."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in params:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values()) or [[]]
+
+
+def grad_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+    """The 2-norm of the gradients of all `groups` (`by_mesh`'s) together, whole (a plain tensor), the same on
+    every rank. All ranks.
 
     Under FSDP2 x TP the gradients are DTensors on two meshes — the split layers' on (dp, tp), the rest's on dp
     alone — which one foreach op cannot mix: each mesh's norm is taken alone, then combined. With a single
     mesh (or none) this is torch's own `get_total_norm`, to the bit.
     """
     norms = []
-    for group in _by_mesh(grads) or [[]]:
-        norm = torch.nn.utils.get_total_norm(group, foreach=True)
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
 
-def clip_grads(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
-    """torch's `clip_grads_with_norm_` (foreach), one call per mesh of the gradients (see `grad_norm`)."""
-    for group in _by_mesh([p for p in params if p.grad is not None]):
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
-
-
-def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
-    return list(groups.values())
+def clip_grads(groups: list[list[torch.Tensor]], max_norm: float, norm: torch.Tensor) -> None:
+    """torch's `clip_grads_with_norm_` (foreach) of the parameters of `groups` (`by_mesh`'s), one call a mesh."""
+    for group in groups:
+        torch.nn.utils.clip_grads_with_norm_([p for p in group if p.grad is not None], max_norm, norm, foreach=True)
 
 
 def gather_strided(state: dict[str, Any]) -> dict[str, Any]:
