@@ -65,6 +65,9 @@ SHORTEN = {  # doc text -> what runs here, and why
         "--model mini_resnet --width 16 --image_size 16 --nproc 4 --batch_size 64 --grad_accum_steps 2",
         "concepts.md's linear-scaling example is sized for GPUs (17 s a step on a CPU core); the lr arithmetic "
         "it shows does not depend on the model's size"),
+    "--config my_job.toml": ("--config my_job.toml --width 16 --image_size 16",
+                             "my_job.toml's mini_resnet at its full size: 26 s for 2 steps here; the file's keys are "
+                             "read the same at any size"),
 }
 
 
