@@ -179,8 +179,16 @@ class TrainConfig:
             raise UsageError(f"--tp {self.tp} splits the attention heads over the ranks of a group: --num_heads "
                              f"{self.num_heads} must be a multiple of it; pass --num_heads "
                              f"{self.num_heads // self.tp * self.tp or self.tp}")
-        if self.lora_rank:
-            raise UsageError(f"--lora_rank does not compose with --tp {self.tp} yet: drop --lora_rank, or pass --tp 1")
+        # LoRA's adapters split with their base layers (models/lora.py, TP_SPLIT_ADAPTER), but not yet: dropout
+        # (the ranks of a group would drop other inputs of one adapter), DoRA (its norm is of the whole weight).
+        if self.lora_rank and self.lora_dropout:
+            raise UsageError(f"--lora_dropout {self.lora_dropout} does not compose with --tp {self.tp} yet (the ranks "
+                             "of a tensor-parallel group would drop different inputs of one adapter): pass "
+                             "--lora_dropout 0, or --tp 1")
+        if self.lora_rank and self.lora_dora:
+            raise UsageError(f"--lora_dora does not compose with --tp {self.tp} yet (DoRA's magnitude divides by the "
+                             "norm of the whole weight, which a tensor-parallel group splits): drop --lora_dora, or "
+                             "pass --tp 1")
 
 
 def refuse_ignored(cfg: TrainConfig, given: set[str]) -> None:

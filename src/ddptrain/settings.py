@@ -270,10 +270,11 @@ class ParallelSettings(Section):
     strategy: Literal["ddp", "fsdp", "hsdp"] = opt("ddp", "how the model is spread: ddp = a full replica per rank; fsdp = parameters, "
                         "gradients and optimizer state sharded over all ranks (FSDP2); hsdp = sharded within "
                         "a node, replicated across nodes")
-    tp: int = opt(1, "tensor parallel: split each block's layers over this many ranks of a node (a 2-D mesh, "
-                  "data-parallel x tensor-parallel; the ranks of one group read the same micro-batch). With "
-                  "--strategy fsdp, for the built-in gpt and transformers models with a base_model_tp_plan so far",
-                  min=1)
+    tp: int = opt(1, "tensor parallel: split each block's layers over this many ranks of a node (a mesh of "
+                  "data-parallel x tensor-parallel ranks; the ranks of one group read the same micro-batch), then "
+                  "--strategy replicates (ddp) or shards (fsdp; hsdp: within a node, replicated across nodes) that "
+                  "over the data-parallel ranks. For the built-in gpt and transformers models with a "
+                  "base_model_tp_plan so far", min=1)
     fsdp_blocks: str = opt("", "fsdp/hsdp: the module classes sharded as one unit each, comma-separated class "
                            "names, or 'pkg.mod:fn' returning the modules (default: the model's fsdp_blocks)")
     fsdp_reduce_every_micro_step: bool = opt(False, "fsdp/hsdp with --grad_accum_steps > 1: reduce-scatter the "
@@ -312,9 +313,6 @@ class ParallelSettings(Section):
 
     def validate(self) -> None:
         super().validate()
-        if self.tp > 1 and self.strategy != "fsdp":
-            raise UsageError(f"--tp {self.tp} composes with --strategy fsdp only so far (not {self.strategy}): pass "
-                             "--strategy fsdp, or --tp 1")
         if self.tp > 1 and self.nproc and self.nproc % self.tp:
             raise UsageError(f"--tp {self.tp} must divide --nproc {self.nproc} (each data-parallel rank is a group of "
                              f"{self.tp} processes): pass --nproc {self.nproc // self.tp * self.tp or self.tp}")

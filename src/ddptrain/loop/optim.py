@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ddptrain.config import TrainingSettings
+from ddptrain.parallel import tensor
 
 
 def build_optimizer(training: TrainingSettings, params: list[nn.Parameter] | list[dict[str, Any]], lr: float,
@@ -30,10 +31,12 @@ _NO_DECAY_MODULES = (nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.modules.batchn
 
 def parameter_groups(training: TrainingSettings, module: nn.Module) -> list[nn.Parameter] | list[dict[str, Any]]:
     """The trainable parameters of `module`, in module order; for AdamW (without --decay_all) as two groups:
-    weights with --weight_decay, and biases, norm weights and embeddings without."""
+    weights with --weight_decay, and biases, norm weights and embeddings without. Under ddp x --tp a group's
+    split (DTensor) parameters are a group of their own (`tensor.apart_from_plain`)."""
     trainable = [p for p in module.parameters() if p.requires_grad]
     if training.optimizer != "adamw" or training.decay_all:
-        return trainable
+        groups = tensor.apart_from_plain([{"params": trainable}])
+        return trainable if len(groups) == 1 else groups
     exempt: set[int] = set()
     for owner in module.modules():
         norm_like = isinstance(owner, _NO_DECAY_MODULES) or type(owner).__name__.endswith(("Norm", "Norm2d", "Norm1d"))
@@ -42,7 +45,8 @@ def parameter_groups(training: TrainingSettings, module: nn.Module) -> list[nn.P
                 exempt.add(id(param))
     decay = [p for p in trainable if id(p) not in exempt]
     rest = [p for p in trainable if id(p) in exempt]
-    return [group for group in ({"params": decay}, {"params": rest, "weight_decay": 0.0}) if group["params"]]
+    return tensor.apart_from_plain([group for group in ({"params": decay}, {"params": rest, "weight_decay": 0.0})
+                                    if group["params"]])
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:

@@ -74,10 +74,10 @@ class Trainer:
         layout = BatchLayout(cfg.batch_size, ctx.dp_size, cfg.grad_accum_steps)
         self.data = build_loaders(data, training, ctx, layout, train_ds, eval_ds, parts.collate_fn)
         # The model, identical on every rank (DDP would broadcast rank 0's anyway), LoRA's adapters injected; on
-        # the meta device under fsdp (filled shard by shard), not yet under --tp (materialize fills row shards).
+        # the meta device under fsdp/hsdp, --tp too (each rank fills its tp split's FSDP shard: parallel/materialize).
         self.watchdog.phase("load")  # its weights come in: from files, or the seeded init (fsdp: after sharding)
         self.injector.at_load(0)
-        on_meta = cfg.strategy != "ddp" and cfg.tp == 1
+        on_meta = cfg.strategy != "ddp"
         self.module = module = instantiate(data, cfg.section("finetune"), built.model, ctx.device, seed=cfg.seed,
                                            sharded=on_meta, channels_last=cfg.channels_last)
         # Counted before the per-rank RNG streams start: reading a sample may draw augmentation randomness. A model

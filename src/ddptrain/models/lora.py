@@ -13,12 +13,18 @@ adapter_model.safetensors, the tensors and names `PeftModel.save_pretrained` wri
 load) and the base weights with the adapters merged in by peft's own layers (`merged`), under the base model's
 own names.
 
+Under --tp the adapters are split with their base layers, not replicated (`tp_plan`, TP_SPLIT_ADAPTER): the
+parallel styles then apply to peft's `base_layer` and to the adapter on the split side, so each rank's adapter
+output lies as its base output does and the whole computation is the one-process one. What leaves a run is
+gathered whole as any split tensor is.
+
 May import: the contracts at the top (config, errors). Nothing else in ddptrain.
 """
 
 from __future__ import annotations
 
 import copy
+import fnmatch
 import functools
 import math
 import re
@@ -28,9 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ddptrain.config import FinetuneSettings
 from ddptrain.errors import TrainingError, UsageError
@@ -229,6 +237,62 @@ def is_lora(module: nn.Module) -> bool:
     return hasattr(module, "lora_config")
 
 
+# --tp: which adapter of a LoRA layer splits with its base layer, by the base's style (parallel/tensor.py's
+# names), the other adapter whole on every rank of the group. A colwise base computes its share of the outputs
+# from the whole input: lora_A (rank x in) stays whole and computes the same on every rank, lora_B splits by
+# outputs as the base does (colwise_fused3: its share of q, of k and of v), so each rank's adapter output is the
+# slice its base output is. A rowwise base holds its share of the inputs and sums its partial product over the
+# group: lora_A splits by inputs as the base does and its partial products are summed (one all-reduce of
+# tokens x rank), lora_B stays whole on the whole sum. Each piece is then the one-process product's, summed in
+# another order only: exact where replicating the adapters over a split layer would need a gather of the
+# layer's input or output and a sum of the adapters' gradients by hand.
+TP_SPLIT_ADAPTER = {"colwise": "lora_B", "colwise_fused3": "lora_B", "rowwise": "lora_A"}
+
+
+def tp_plan(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """`plan` (a tensor-parallel plan: module names, `*` one level's any child, to style names) for the LoRA
+    module `module`: a name that matches LoRA layers names each one's base layer (peft moved the layer there, and
+    the style splits an nn.Linear) and its adapter on the split side (TP_SPLIT_ADAPTER) with the same style; a
+    name that matches none stays as it is. Refused (exit 2), before any group is made: a layer the plan splits
+    that trains in full (--lora_modules_to_save: its copy would be whole beside a split original), or adapted by
+    another kind of layer than a linear one."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import AuxiliaryTrainingWrapper
+
+    named = list(module.named_modules())
+    out: dict[str, str] = {}
+    for key, style in plan.items():
+        matched = [(name, sub) for name, sub in named if _plan_names(key, name)]
+        if not any(isinstance(sub, (LoraLayer, AuxiliaryTrainingWrapper)) for _, sub in matched):
+            out[key] = style
+            continue
+        for name, sub in matched:
+            if isinstance(sub, AuxiliaryTrainingWrapper):
+                raise UsageError(f"--lora_modules_to_save: {name} is a layer --tp splits ({style}), and its copy "
+                                 "trained in full would not be split with it; drop it from --lora_modules_to_save, "
+                                 "or pass --tp 1")
+            if not isinstance(sub, LoraLayer):
+                out[name] = style
+            elif not isinstance(sub.get_base_layer(), nn.Linear):
+                raise UsageError(f"--lora_targets: {name} is a {type(sub.get_base_layer()).__name__} that --tp "
+                                 f"splits ({style}); ddptrain splits adapters with linear layers only: leave it out "
+                                 "of --lora_targets, or pass --tp 1")
+            elif style not in TP_SPLIT_ADAPTER:
+                raise UsageError(f"--lora_targets: {name} is split by --tp as {style}, beside which no adapter is "
+                                 "split yet: leave it out of --lora_targets, or pass --tp 1")
+            else:
+                out[f"{name}.base_layer"] = style
+                out[f"{name}.{TP_SPLIT_ADAPTER[style]}.{ADAPTER_NAME}"] = style
+    return out
+
+
+def _plan_names(key: str, name: str) -> bool:
+    """Whether a tensor-parallel plan's `key` names the module `name`, as torch's parallelize_module matches it:
+    one pattern per level (fnmatch), as many levels."""
+    keys, names = key.split("."), name.split(".")
+    return len(keys) == len(names) and all(fnmatch.fnmatchcase(part, pattern) for part, pattern in zip(names, keys))
+
+
 def frozen_names(module: nn.Module) -> list[str]:
     """The state-dict names of the frozen parameters (a tied one under each of its names): what a checkpoint
     of adapters leaves out. Buffers are not among them: they may change in training."""
@@ -337,23 +401,30 @@ def fingerprint(module: nn.Module, names: list[str]) -> list[list[float]]:
     merge checks the rebuilt model against: per tensor of `names` (in that order) [sum x, sum x²], then per
     tensor [sum x·w, sum x²·w], w each element's positional weight (`_MODULUS`), so that a transposed or
     reordered tensor differs. Pairs, in float64, over this rank's part of each tensor (a sharded tensor's local
-    shard, weighed by its place in the whole; the caller adds the ranks' parts); under hsdp only the first
-    replica's ranks count their shards (the others hold copies), so the sum is the same on every layout.
+    shard, weighed by its place in the whole (`_place`; under --tp a tensor-parallel split too); the caller adds
+    the ranks' parts); under hsdp only the first replica's ranks count their shards (the others hold copies), and
+    under --tp only the first rank of a group counts a tensor the group does not split, so the sum is the same on
+    every layout.
     Checkpoints written before the positional sums hold the first half only (`same_weights`)."""
     state = module.state_dict()
-    sums = [_sums(state[name]) if _first_replica(state[name]) else [0.0] * 4 for name in names]
+    # A module with split tensors is summed over its ranks: a plain tensor in it (ddp x --tp: one the group does not
+    # split, whole on every rank) counts on the first rank only.
+    split = any(isinstance(value, DTensor) for value in state.values())
+    first = not split or not dist.is_initialized() or dist.get_rank() == 0
+    sums = [_sums(state[name]) if (_first_replica(state[name]) if isinstance(state[name], DTensor) else first)
+            else [0.0] * 4 for name in names]
     return [four[:2] for four in sums] + [four[2:] for four in sums]
 
 
 def _sums(tensor: torch.Tensor) -> list[float]:
     """[sum x, sum x², sum x·w, sum x²·w] over this rank's part of `tensor` (`fingerprint`)."""
-    offsets = _offsets(tensor)
     local = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach()
     if local.numel() == 0:  # an uneven split leaves the last ranks no rows
         return [0.0] * 4
     shape = list(tensor.shape)
     if local.dim() == 0:
-        local, shape, offsets = local.reshape(1), [1], [0]
+        local, shape = local.reshape(1), [1]
+    whole_rows, offsets = _place(tensor)
     strides = [math.prod(shape[dim + 1:]) for dim in range(len(shape))]
     device = local.device
     within_row = torch.zeros((), dtype=torch.int64, device=device)  # index in the whole, less the row's start
@@ -365,7 +436,7 @@ def _sums(tensor: torch.Tensor) -> list[float]:
     totals = torch.zeros(4, dtype=torch.float64, device=device)
     for start in range(0, local.shape[0], rows_at_once):
         x = local[start:start + rows_at_once].reshape(-1, within_row.numel()).to(torch.float64)
-        rows = offsets[0] + start + torch.arange(x.shape[0], device=device)
+        rows = whole_rows[start:start + x.shape[0]].to(device)
         index = rows.unsqueeze(1) * strides[0] + within_row
         weight = 1.0 + (index % _MODULUS * _MULTIPLIER % _MODULUS).to(torch.float64) / _MODULUS
         squares = x * x
@@ -373,26 +444,52 @@ def _sums(tensor: torch.Tensor) -> list[float]:
     return totals.tolist()
 
 
-def _offsets(tensor: torch.Tensor) -> list[int]:
-    """Where this rank's part of `tensor` starts in the whole, per dim: a DTensor's Shard(d) splits dim d as
-    torch.chunk does (FSDP2's Shard(0); over several mesh dims, each within the last's part); a plain tensor
-    starts at 0."""
+def _place(tensor: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Where this rank's part of `tensor` lies in the whole: the whole's row (dim 0) of each of its rows, and per
+    other dim the offset its part starts at (a plain tensor: every row, at 0). A DTensor's parts are taken as
+    they were made, each as torch.chunk splits: first a tensor-parallel split (the mesh dim named "tp": a run of
+    rows or of columns, or `_StridedShard`'s share of each of its runs, a fused qkv's q, k and v), then FSDP2's
+    chunks of the rows that split left (its `_StridedShard` over a tp split is that), over the other dims in mesh
+    order (hsdp's replicas hold all)."""
+    rows = torch.arange(tensor.shape[0] if tensor.dim() else 1)
     offsets, extents = [0] * tensor.dim(), list(tensor.shape)
-    for mesh_dim, placement in enumerate(getattr(tensor, "placements", ())):
-        if isinstance(placement, Shard):
-            dim, parts = placement.dim, tensor.device_mesh.size(mesh_dim)
-            chunk = -(-extents[dim] // parts)
-            start = min(tensor.device_mesh.get_local_rank(mesh_dim) * chunk, extents[dim])
-            offsets[dim] += start
-            extents[dim] = min(start + chunk, extents[dim]) - start
-    return offsets
+    placements = list(getattr(tensor, "placements", ()))
+    names = (tensor.device_mesh.mesh_dim_names or ()) if placements else ()
+    tp = names.index("tp") if "tp" in names else None
+    for mesh_dim in sorted(range(len(placements)), key=lambda d: d != tp):
+        placement, mesh = placements[mesh_dim], tensor.device_mesh
+        dim = getattr(placement, "dim", None)  # (Replicate and Partial have none: all of it)
+        if dim is None:
+            continue
+        parts, index = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+        if dim == 0:
+            runs = placement.split_factor if isinstance(placement, _StridedShard) and mesh_dim == tp else 1
+            rows = torch.cat([run[_chunk(len(run), parts, index)] for run in rows.chunk(runs)])
+        else:
+            cut = _chunk(extents[dim], parts, index)
+            offsets[dim] += cut.start
+            extents[dim] = cut.stop - cut.start
+    return rows, offsets
+
+
+def _chunk(size: int, parts: int, index: int) -> slice:
+    """Part `index` of `size` split in `parts` as torch.chunk splits it: ceil(size / parts) each, the last short."""
+    most = -(-size // parts)
+    return slice(min(index * most, size), min((index + 1) * most, size))
 
 
 def _first_replica(tensor: torch.Tensor) -> bool:
     """Whether this rank holds `tensor`'s part in the first of its replicas (a plain tensor: yes)."""
     placements = getattr(tensor, "placements", ())
-    return all(not isinstance(p, Replicate) or tensor.device_mesh.get_local_rank(dim) == 0
-               for dim, p in enumerate(placements))
+    if not placements:
+        return True
+    mesh = tensor.device_mesh
+    # A tensor on part of the job's mesh (under FSDP2 x TP, one the group does not split lies on the dp dims
+    # alone) is held whole by every rank along the other dims: the first of them counts it.
+    root = mesh._get_root_mesh()
+    others = [name for name in (root.mesh_dim_names or ()) if name not in (mesh.mesh_dim_names or ())]
+    return all(not isinstance(p, Replicate) or mesh.get_local_rank(dim) == 0 for dim, p in enumerate(placements)) \
+        and all(root.get_local_rank(name) == 0 for name in others)
 
 
 def same_weights(saved: list[list[float]], now: list[list[float]]) -> bool:

@@ -6,12 +6,16 @@ Two sources:
 - the seeded init: `models.meta.replay` runs the construction's recorded init again on full-size CPU tensors,
   one tensor (or, for transformers' post_init, one module) at a time, so the global RNG makes the draws the
   whole build makes; each rank keeps its rows and drops the rest. Bitwise equal to the whole build.
-- a `save_pretrained` directory (`fill_from_pretrained`): each rank reads only the rows of each tensor that
-  its shard covers (`safe_open(...).get_slice(name)[rows]`), from one file or the files an
+- a `save_pretrained` directory (`fill_from_pretrained`): each rank reads only the part of each tensor that
+  its shard covers (`safe_open(...).get_slice(name)[rows, columns]`), from one file or the files an
   `model.safetensors.index.json` names; a tied tensor is read once. What the files lack (non-persistent
   buffers such as rotary frequencies, a new classification head) is initialised as from_pretrained does.
   A model adapted after it was built (LoRA) has its own tensors read under the names they had before (peft
   moves a layer's weight to `....base_layer.weight`), then the adaptation's seeded init replayed alone.
+
+Under --tp a rank's part is its tensor-parallel split (rows, columns, or a stride of each of q, k and v) and FSDP2's
+chunk of that (`local_index`): the same two sources fill it, so a model split over a (dp, tp) mesh is never whole
+on any rank either.
 
 The whole-model path stays for what cannot be replayed this way (a plug-in `pkg.mod:fn` model, a hub name,
 .bin weights): see `models.meta_buildable`.
@@ -27,7 +31,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ddptrain.errors import UsageError, first_line
 from ddptrain.models import meta
@@ -79,19 +84,82 @@ def chunk_rows(rows: int, parts: int, index: int) -> slice:
     return slice(min(index * chunk, rows), min((index + 1) * chunk, rows))
 
 
+Index = tuple[Any, ...]  # one block of a full tensor: a slice per dimension (dim 0's with concrete bounds)
+
+
+def local_index(tensor: torch.Tensor) -> list[Index]:
+    """Where this rank's part of `tensor` lies in the full tensor: blocks whose values, concatenated along dim 0,
+    are the part. A plain or 0-d tensor is one block, whole.
+
+    Applied in the order they were made: first the tensor-parallel split (the mesh dimension named "tp":
+    `parallel.tensor`'s rows, columns, or one stride of rows from each of q, k and v), then FSDP2's chunks of
+    dim 0 of what that left (of a tp shard: its local tensor), over the other dimensions in mesh order
+    (hsdp's replicas take all of it)."""
+    if not isinstance(tensor, DTensor) or tensor.dim() == 0:
+        return [(slice(None),) * tensor.dim()]
+    mesh, shape = tensor.device_mesh, tensor.shape
+    names = mesh.mesh_dim_names or ()
+    tp = names.index("tp") if "tp" in names else None
+    blocks: list[Index] = [(slice(0, shape[0]), *(slice(None),) * (tensor.dim() - 1))]
+    if tp is not None:
+        blocks = _split_tp(blocks[0], tensor.placements[tp], shape, mesh.size(tp), mesh.get_local_rank(tp))
+    for dim, placement in enumerate(tensor.placements):
+        if dim == tp or isinstance(placement, Replicate):
+            continue
+        if getattr(placement, "dim", None) != 0:
+            raise ValueError(f"placed {placement} on mesh dimension {dim}: only FSDP2's dim-0 shards are filled here")
+        total = sum(block[0].stop - block[0].start for block in blocks)
+        blocks = _narrow_rows(blocks, chunk_rows(total, mesh.size(dim), mesh.get_local_rank(dim)))
+    return blocks
+
+
+def _split_tp(block: Index, placement: Any, shape: torch.Size, parts: int, index: int) -> list[Index]:
+    """`block` (the whole tensor) split as `placement` splits it over a tensor-parallel group: part `index`."""
+    if isinstance(placement, Replicate):
+        return [block]
+    if isinstance(placement, _StridedShard):  # FusedColwise: each of `split_factor` runs of rows torch.chunk'ed
+        if placement.dim != 0:
+            raise ValueError(f"placed {placement}: only strides of rows are filled here")
+        run = chunk_rows(shape[0], placement.split_factor, 0).stop
+        starts = range(0, shape[0], run) if run else ()
+        return _narrow_each([(slice(start, min(start + run, shape[0])), *block[1:]) for start in starts], parts, index)
+    if isinstance(placement, Shard):
+        if placement.dim == 0:
+            return _narrow_each([block], parts, index)
+        cut = chunk_rows(shape[placement.dim], parts, index)
+        return [(*block[:placement.dim], cut, *block[placement.dim + 1:])]
+    raise ValueError(f"placed {placement} over the tensor-parallel group: not a split filled here")
+
+
+def _narrow_each(blocks: list[Index], parts: int, index: int) -> list[Index]:
+    """Of each block, its torch.chunk part `index` of `parts` by rows."""
+    narrowed = []
+    for block in blocks:
+        rows = chunk_rows(block[0].stop - block[0].start, parts, index)
+        narrowed.append((slice(block[0].start + rows.start, block[0].start + rows.stop), *block[1:]))
+    return narrowed
+
+
+def _narrow_rows(blocks: list[Index], rows: slice) -> list[Index]:
+    """Rows `rows` of the blocks concatenated along dim 0, as blocks again (one, empty, if `rows` is)."""
+    narrowed, offset = [], 0
+    for block in blocks:
+        start, stop = block[0].start, block[0].stop
+        lo, hi = max(rows.start - offset, 0), min(rows.stop - offset, stop - start)
+        if lo < hi:
+            narrowed.append((slice(start + lo, start + hi), *block[1:]))
+        offset += stop - start
+    return narrowed or [(slice(blocks[0][0].start, blocks[0][0].start), *blocks[0][1:])]
+
+
 def shard_rows(tensor: torch.Tensor) -> slice:
     """The rows (dim 0) of a full tensor this rank's part of `tensor` holds: FSDP2's Shard(0) is torch.chunk
-    of dim 0 over the mesh's shard dimension (replicated across hsdp's other one); a plain tensor is whole."""
-    if not isinstance(tensor, DTensor):
-        return slice(None)
-    start, stop = 0, tensor.shape[0]
-    for dim, placement in enumerate(tensor.placements):
-        if isinstance(placement, Shard):
-            if placement.dim != 0:
-                raise ValueError(f"sharded on dim {placement.dim}: only FSDP2's dim-0 shards are filled here")
-            part = chunk_rows(stop - start, tensor.device_mesh.size(dim), tensor.device_mesh.get_local_rank(dim))
-            start, stop = start + part.start, start + part.stop
-    return slice(start, stop)
+    of dim 0 over the mesh's shard dimension (replicated across hsdp's other one); a plain tensor is whole.
+    A part that is not one run of whole rows (a tensor-parallel split) is a ValueError: see `local_index`."""
+    blocks = local_index(tensor)
+    if len(blocks) != 1 or any(cut != slice(None) for cut in blocks[0][1:]):
+        raise ValueError(f"a part placed {tensor.placements} is not one run of rows: read it by local_index")
+    return blocks[0][0] if blocks[0] else slice(None)
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
@@ -114,10 +182,29 @@ def read_rows(part: Any, rows: slice) -> torch.Tensor:
     return part[rows] if part.get_shape() else part[...]
 
 
+def read_local(part: Any, blocks: list[Index]) -> torch.Tensor:
+    """The blocks (`local_index`'s) of a safetensors slice, each read alone, concatenated along dim 0."""
+    if not part.get_shape():
+        return part[...]
+    values = [part[block] for block in blocks]
+    return values[0] if len(values) == 1 else torch.cat(values)
+
+
 @torch.no_grad()
 def put_local_part(target: torch.Tensor, full: torch.Tensor) -> None:
-    """This rank's part of `target` copied from `full`, the whole tensor."""
-    local_part(target).copy_(full[shard_rows(target)] if full.dim() else full)
+    """This rank's part of `target` copied from `full`, the whole tensor (block by block: no copy of the part
+    is made first)."""
+    local = local_part(target)
+    if not full.dim():
+        local.copy_(full)
+        return
+    offset = 0
+    for block in local_index(target):
+        value = full[block]
+        local[offset:offset + value.shape[0]].copy_(value)
+        offset += value.shape[0]
+    if offset != local.shape[0]:  # a layout local_index does not know: rows would be left unfilled
+        raise ValueError(f"a part placed {target.placements} has {local.shape[0]} rows, local_index finds {offset}")
 
 
 # --- from a save_pretrained directory ----------------------------------------------------------------
@@ -195,7 +282,7 @@ def fill_from_pretrained(model: nn.Module, directory: Path, put: meta.Put, store
             if stored not in files or id(tensor) in read:
                 continue
             try:
-                value = read_rows(handles[files[stored]].get_slice(stored), shard_rows(tensor))
+                value = read_local(handles[files[stored]].get_slice(stored), local_index(tensor))
             except Exception as exc:  # the header was whole; its data was not
                 raise UsageError(f"{files[stored]}: cannot read {stored} ({first_line(exc)}): the file is damaged; "
                                  "copy or save it again") from None

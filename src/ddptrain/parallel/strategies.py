@@ -1,5 +1,7 @@
 """How the model is spread over the job's ranks: DistributedDataParallel (a full replica per rank) or FSDP2
 (parameters, gradients and optimizer state sharded; `hsdp` shards within a node and replicates across nodes).
+Under --tp N either first splits each block's layers over a group of N ranks of a node (parallel/tensor.py): DDP
+then replicates a group's split model over the data-parallel ranks, FSDP2 shards it over them.
 
 The loop asks this object a few things — the module to call, a context that skips gradient communication
 on accumulation micro-steps, one model's state for eval and export, the memory it holds (gradients between
@@ -13,13 +15,13 @@ import contextlib
 import functools
 import logging
 from pathlib import Path
-from typing import Any, Collection
+from typing import Any, Collection, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -27,6 +29,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddptrain.config import load_plugin
@@ -40,29 +43,73 @@ log = logging.getLogger("ddptrain")
 
 class DataParallel:
     """DDP at world size > 1 (a plain module at 1): every rank holds the whole model; gradients are averaged
-    by bucketed all-reduces during backward."""
+    by bucketed all-reduces during backward.
+
+    Under --tp N the mesh is (dp, tp): each block's layers are split over the N ranks of a tp group (their
+    parameters DTensors on mesh["tp"]), and a group's ranks hold those parts only, so the run is `sharded` (its
+    checkpoints, eval and export go the way FSDP2's do). DDP averages the parameters that are not split over the
+    data-parallel group (mesh["dp"]); it cannot hold DTensors (its bucket and broadcast ops refuse to mix them
+    with plain tensors on torch 2.13), so it ignores the split ones, whose gradients one all-reduce over the same
+    group averages after the last micro-step's backward (`_average_split_grads`). torch's own route, DDP's
+    `device_mesh` (`_pre_dp_module_transform`), turns them into plain attributes after the first forward: they
+    left `named_parameters` and the state dict on torch 2.13.
+    """
 
     name = "ddp"
-    sharded = False
+    sharded = False  # True under --tp (see above)
     communicating_phase = "backward+all-reduce"  # the watchdog's name for the last micro-step's backward
 
     def __init__(self, module: nn.Module, ctx: DistributedContext, parallel: Any, compile: bool):
         self.module, self.ctx = module, ctx
         self.ddp: DDP | None = None
         self.model: nn.Module = module
-        if ctx.world_size > 1:
+        self.mesh, self.split = None, []
+        if parallel.tp > 1:  # tp inside a node: a group is tp consecutive ranks (DistributedContext.dp_rank)
+            plan = tensor.plan_for(module, parallel.tp)  # (refused before any group is made)
+            self.mesh = init_device_mesh(ctx.device.type, (ctx.dp_size, parallel.tp), mesh_dim_names=("dp", "tp"))
+            tensor.parallelize(module, self.mesh["tp"], plan)
+            self.sharded = True
+            self.split = [(name, p) for name, p in module.named_parameters() if isinstance(p, DTensor)]
+            log.debug("ddp over mesh %s: %d split parameters averaged apart from DDP's buckets",
+                      (ctx.dp_size, parallel.tp), len(self.split))
+        if ctx.dp_size > 1:
             device = ctx.device
+            if self.split:
+                DDP._set_params_and_buffers_to_ignore_for_model(module, [name for name, _ in self.split])
             self.ddp = DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
                            bucket_cap_mb=parallel.bucket_cap_mb, static_graph=parallel.static_graph,
                            find_unused_parameters=parallel.find_unused_parameters,
-                           gradient_as_bucket_view=parallel.gradient_as_bucket_view)
+                           gradient_as_bucket_view=parallel.gradient_as_bucket_view,
+                           process_group=self.mesh.get_group("dp") if self.mesh is not None else None)
             self.model = self.ddp
         if compile:
             self.model = torch.compile(self.model)
 
     def accumulating(self, last: bool) -> contextlib.AbstractContextManager:
         """Around a micro-step's forward and backward: no gradient all-reduce unless it is the `last`."""
-        return contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync()
+        if self.ddp is None:
+            return contextlib.nullcontext()
+        if not last:
+            return self.ddp.no_sync()
+        return self._average_split_grads() if self.split else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _average_split_grads(self) -> Iterator[None]:
+        """After the last micro-step's backward (DDP has averaged the rest by then): the split parameters' local
+        gradients averaged over the data-parallel group as DDP averages (divided by its size, then summed), in one
+        all-reduce per dtype. All ranks: a tp group's ranks each average their own parts with their dp peers."""
+        yield
+        with torch.no_grad():
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for _, param in self.split:
+                if param.grad is not None:
+                    grad = param.grad.to_local()
+                    by_dtype.setdefault(grad.dtype, []).append(grad)
+            for grads in by_dtype.values():
+                flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.ctx.dp_size)
+                dist.all_reduce(flat, group=self.mesh.get_group("dp"))
+                for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
+                    grad.copy_(part.view_as(grad))
 
     def communicates(self, last: bool) -> bool:
         """Whether a micro-step's backward reduces gradients (the `last` only)."""
@@ -81,8 +128,16 @@ class DataParallel:
 
     def state_dict(self, leave_out: Collection[str] = ()) -> dict[str, torch.Tensor]:
         """The model's state less the tensors named in `leave_out`, as rank 0 checkpoints and exports it (call
-        `sync_buffers` first). All ranks."""
-        return {name: value for name, value in self.module.state_dict().items() if name not in leave_out}
+        `sync_buffers` first); under --tp the split tensors gathered whole, one at a time. All ranks."""
+        return {name: materialize.whole_on_cpu(value) if isinstance(value, DTensor) else value
+                for name, value in self.module.state_dict().items() if name not in leave_out}
+
+    def export(self, path: Path, metadata: dict[str, str], hf_dir: Path | None = None) -> None:
+        """Under --tp (`sharded`): the whole model's weights into `path` (and HF's layout into `hf_dir`), a split
+        tensor gathered at a time and written by rank 0 (checkpoints.shards.write_streamed). All ranks."""
+        from ddptrain.checkpoints import shards
+
+        shards.write_streamed(self.module, path, metadata, self.ctx.is_main, hf_dir)
 
     def memory(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes this rank holds of parameters, gradients and optimizer state."""
@@ -93,17 +148,20 @@ class DataParallel:
         return _memory(self.module, None)["grad_bytes"]
 
     def release(self) -> None:
-        """Nothing to let go of: DDP's reference to its group goes with the Trainer (see ShardedParallel)."""
+        """Under --tp, the mesh's process groups (see ShardedParallel.release); else nothing: DDP's reference to
+        its group goes with the Trainer."""
+        if self.mesh is not None:
+            _release_mesh(self.mesh)
 
     @torch.no_grad()
     def check_replicas(self) -> None:
         """Prove that DDP kept the ranks' parameters bitwise identical (a silent divergence is the worst bug).
 
-        A fingerprint per parameter (sum and sum of squares in float64) is gathered on the control group.
-        Must be called on all ranks.
+        A fingerprint per parameter (sum and sum of squares in float64) is gathered on the control group; under
+        --tp the replicas of a part are the ranks of the same place in their groups. Must be called on all ranks.
         """
         if self.ctx.world_size > 1:
-            _check_replicas(self.module, self.ctx, [0] * self.ctx.world_size)
+            _check_replicas(self.module, self.ctx, [rank % self.ctx.tp_size for rank in range(self.ctx.world_size)])
 
 
 class ShardedParallel:
@@ -113,8 +171,9 @@ class ShardedParallel:
     all-gathered before its forward and backward and freed after; its gradients are reduce-scattered. The
     root unit holds what no block does (embeddings, heads). Under `hsdp` the mesh is (nodes, ranks per node):
     shards live within a node and each node holds a replica, so only an all-reduce of shards crosses nodes.
-    Under --tp N the mesh is (dp, tp): each block's layers are first split over the N ranks of a tp group
-    (parallel/tensor.py), then FSDP2 shards every parameter over the dp dimension.
+    Under --tp N the mesh is (dp, tp), under hsdp (replicate, shard, tp): each block's layers are first split over
+    the N ranks of a tp group inside a node (parallel/tensor.py), then FSDP2 shards every parameter over the dp
+    dimension (hsdp: over `shard`, replicated over `replicate`, the nodes).
     Parameters are DTensors: the optimizer is the foreach one (the fused kernels have no sharded form).
 
     With accumulation, gradients are reduce-scattered on the last micro-step only: until then every rank holds
@@ -137,15 +196,16 @@ class ShardedParallel:
             raise UsageError(f"--strategy hsdp needs several nodes with the same number of ranks each (world "
                              f"size {ctx.world_size}, {ctx.local_world_size} per node); use --strategy fsdp on "
                              "one node")
-        shape = (nodes, ctx.world_size // nodes) if nodes > 1 else (ctx.world_size,)
+        shape = (nodes, ctx.dp_size // nodes) if nodes > 1 else (ctx.dp_size,)
         names = ("replicate", "shard") if nodes > 1 else ("shard",)
         if parallel.tp > 1:  # tp inside a node: a group is tp consecutive ranks (DistributedContext.dp_rank)
-            shape, names = (ctx.dp_size, parallel.tp), ("dp", "tp")
+            shape, names = (*shape, parallel.tp), ("replicate", "shard", "tp") if nodes > 1 else ("dp", "tp")
         plan = tensor.plan_for(module, parallel.tp) if parallel.tp > 1 else {}  # (refused before any group is made)
         self.mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+        data_mesh = self.mesh
         if plan:
             tensor.parallelize(module, self.mesh["tp"], plan)
-        data_mesh = self.mesh["dp"] if parallel.tp > 1 else self.mesh
+            data_mesh = self.mesh["replicate", "shard"] if nodes > 1 else self.mesh["dp"]
         policy = precision_policy(parallel, use_amp)
         self.cpu_offload = parallel.cpu_offload
         if parallel.param_dtype == "bf16":
@@ -261,16 +321,15 @@ class ShardedParallel:
         groups: their gloo threads would run on into interpreter finalization (see distributed._teardown;
         without this, a 2-process fsdp run's world group outlives its destruction).
         """
-        registry = getattr(self.mesh, "_pg_registry", None)  # shared by the mesh's sub-meshes
-        if isinstance(registry, dict):
-            registry.clear()
+        _release_mesh(self.mesh)
 
     @torch.no_grad()
     def check_replicas(self) -> None:
         """Under hsdp each node holds a replica of the shards: prove they are identical. (fsdp has none; under --tp
-        the ranks of a group hold different parts of the split layers.)"""
+        the ranks of a group hold different parts of the split layers: a node's ranks replicate another node's.)"""
         if self.mesh.mesh_dim_names[0] == "replicate":
-            _check_replicas(self.module, self.ctx, [r % self.mesh.size(1) for r in range(self.ctx.world_size)])
+            per_node = self.ctx.world_size // self.mesh.size(0)
+            _check_replicas(self.module, self.ctx, [r % per_node for r in range(self.ctx.world_size)])
 
 
 def precision_policy(parallel: Any, use_amp: bool, root: bool = False) -> Any:
@@ -391,6 +450,12 @@ def fsdp_blocks(module: nn.Module, spec: str) -> list[nn.Module]:
 def _outermost(chosen: list[nn.Module]) -> list[nn.Module]:
     inside = {id(sub) for block in chosen for sub in block.modules() if sub is not block}
     return [block for block in chosen if id(block) not in inside]
+
+
+def _release_mesh(mesh: DeviceMesh) -> None:
+    registry = getattr(mesh, "_pg_registry", None)  # shared by the mesh's sub-meshes
+    if isinstance(registry, dict):
+        registry.clear()
 
 
 def _broadcast_buffers(module: nn.Module) -> None:

@@ -1,6 +1,8 @@
 """Tensor parallel (--tp N): each block's layers split over the N ranks of a group inside a node, the model's
-other parameters whole on each of them; FSDP2 then shards everything over the data-parallel dimension of the
-same 2-D mesh (dp x tp), as torchtitan composes them: TP first, then `fully_shard` on mesh["dp"].
+other parameters whole on each of them. The data-parallel strategy comes second, as torchtitan composes them:
+under fsdp `fully_shard` shards everything over mesh["dp"] of the 2-D mesh (dp x tp); under hsdp over the
+(replicate, shard) dimensions of a 3-D mesh (nodes x dp per node x tp); under ddp each data-parallel rank holds a
+group's split model whole and gradients are averaged over mesh["dp"] (parallel/strategies.py, DataParallel).
 
 A model says how it splits with a `tp_plan` (transformers' `base_model_tp_plan` spelling): module names (`*` for
 any child) to a style name. "colwise" splits a linear layer's outputs (its weight's rows), "rowwise" its inputs
@@ -30,6 +32,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn import functional as F
 
 from ddptrain.errors import UsageError
+from ddptrain.models import lora
 
 
 class FusedColwise(ParallelStyle):
@@ -101,8 +104,11 @@ def _heads(module: nn.Module) -> list[tuple[str, int]]:
 def plan_for(module: nn.Module, size: int) -> dict[str, Any]:
     """`module`'s plan (`plan_of`) as the styles that split it over a group of `size` ranks. A model without a
     plan, or whose attention heads the group cannot share out evenly, is refused (exit 2). Asked before the
-    mesh's groups are made, so that every rank refuses at the same point, none inside a collective."""
+    mesh's groups are made, so that every rank refuses at the same point, none inside a collective. A LoRA
+    model's adapters split with their base layers (`lora.tp_plan`)."""
     plan = plan_of(module)
+    if lora.is_lora(module):
+        plan = lora.tp_plan(module, plan)
     if not plan:
         raise UsageError(f"--tp {size}: the model ({type(module).__name__}) has no tensor-parallel plan (a `tp_plan` "
                          "attribute, as the built-in gpt's, or a transformers config's base_model_tp_plan); pass "
@@ -133,13 +139,27 @@ def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values()) or [[]]
 
 
+def apart_from_plain(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Optimizer parameter `groups` with each group that mixes DTensors and plain tensors split in two, the
+    DTensors second, with the same settings. Under ddp x --tp the split layers' parameters are DTensors and the
+    rest plain tensors, and a foreach (or fused) update of one group refuses that mix on torch 2.13 (under FSDP2
+    every parameter is a DTensor). Groups without the mix are returned as they are."""
+    apart = []
+    for group in groups:
+        plain = [p for p in group["params"] if not isinstance(p, DTensor)]
+        split = [p for p in group["params"] if isinstance(p, DTensor)]
+        apart += [{**group, "params": plain}, {**group, "params": split}] if plain and split else [group]
+    return apart
+
+
 def grad_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
     """The 2-norm of the gradients of all `groups` (`by_mesh`'s) together, whole (a plain tensor), the same on
     every rank. All ranks.
 
     Under FSDP2 x TP the gradients are DTensors on two meshes — the split layers' on (dp, tp), the rest's on dp
-    alone — which one foreach op cannot mix: each mesh's norm is taken alone, then combined. With a single
-    mesh (or none) this is torch's own `get_total_norm`, to the bit.
+    alone — which one foreach op cannot mix; under DDP x TP the split layers' on tp and the rest plain tensors:
+    each group's norm is taken alone, then combined. With a single mesh (or none) this is torch's own
+    `get_total_norm`, to the bit.
     """
     norms = []
     for group in groups:
@@ -181,15 +201,17 @@ def whole(value: DTensor) -> torch.Tensor:
     """A `strided` tensor whole, on every rank (a plain tensor). All ranks of its mesh.
 
     By hand, dp then tp: under FSDP2 its placements are (_StridedShard, _StridedShard), which DTensor's own
-    redistribution gathered into wrong rows at dp 2 on torch 2.13 (right at dp 1)."""
+    redistribution gathered into wrong rows at dp 2 on torch 2.13 (right at dp 1). Under hsdp the mesh has a
+    replicate dimension first, over which the parts are alike; under ddp it is the tp mesh alone."""
     mesh, local = value.device_mesh, value.to_local().detach()
     tp, split = mesh.size(mesh.ndim - 1), value.placements[-1].split_factor
     rows = value.shape[0] // tp  # this rank's tp part
-    if mesh.ndim == 2:  # FSDP2's shard of the tp part: torch.chunk's rows over dp, the last ones maybe fewer
-        most = -(-rows // mesh.size(0))
+    if mesh.ndim >= 2:  # FSDP2's shard of the tp part: torch.chunk's rows over dp, the last ones maybe fewer
+        dp = mesh.ndim - 2
+        most = -(-rows // mesh.size(dp))
         padded = torch.cat([local, local.new_zeros((most - local.shape[0], *local.shape[1:]))])
-        parts = [torch.empty_like(padded) for _ in range(mesh.size(0))]
-        dist.all_gather(parts, padded.contiguous(), group=mesh.get_group(0))
+        parts = [torch.empty_like(padded) for _ in range(mesh.size(dp))]
+        dist.all_gather(parts, padded.contiguous(), group=mesh.get_group(dp))
         local = torch.cat(parts)[:rows]
     parts = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(parts, local.contiguous(), group=mesh.get_group(mesh.ndim - 1))
@@ -202,7 +224,7 @@ def _local_of(full: torch.Tensor, like: DTensor) -> DTensor:
     tp, split = mesh.size(mesh.ndim - 1), like.placements[-1].split_factor
     tp_rank = mesh.get_local_rank(mesh.ndim - 1)
     local = torch.cat([part.chunk(tp)[tp_rank] for part in full.chunk(split)])
-    if mesh.ndim == 2:
-        local = local.chunk(mesh.size(0))[mesh.get_local_rank(0)]
+    if mesh.ndim >= 2:  # FSDP2's rows over dp (hsdp: its `shard` dimension)
+        local = local.chunk(mesh.size(mesh.ndim - 2))[mesh.get_local_rank(mesh.ndim - 2)]
     local = local.to(like.to_local().device, copy=True)
     return DTensor.from_local(local, mesh, like.placements, shape=like.shape, stride=like.stride(), run_check=False)
