@@ -29,9 +29,15 @@ def sweep_rows(output: str) -> dict[str, tuple[float, float, float]]:
 
 
 def test_two_local_processes_are_healthy_with_a_full_sweep(tmp_path):
-    proc = run_cli(["doctor", "--nproc", "2", "--run_dir", str(tmp_path / "run"), "--iters", "2"])
+    proc = run_cli(["doctor", "--nproc", "2", "--run_dir", str(tmp_path / "run"), "--iters", "2", "--tp", "2",
+                    "--tp_mib", "1"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "healthy" in proc.stdout
+    # --tp 2: the group of ranks 0 and 1 all-reduces 1 MiB (N = 2: busbw = algbw = 1 MiB / time)
+    group = re.search(r"^  all-reduce of 1 MiB within each group: ([\d.]+) ms, busbw ([\d.e+-]+) GB/s", proc.stdout,
+                      re.M)
+    assert group, proc.stdout
+    assert float(group.group(2)) == pytest.approx((1 << 20) / float(group.group(1)) / 1e6, rel=0.02)
     assert re.search(r"^0\s+\S+\s+127\.0\.0\.1\s+lo\s+cpu", proc.stdout, re.M), proc.stdout
     assert re.search(r"^1\s+\S+\s+127\.0\.0\.1\s+lo\s+cpu.*sees 2/2$", proc.stdout, re.M), proc.stdout
     rows = sweep_rows(proc.stdout)
@@ -66,6 +72,36 @@ def test_single_process_runs_every_check_in_process(tmp_path, capsys):
     output = capsys.readouterr().out
     assert "1 rank(s)" in output and "healthy" in output
     assert list(sweep_rows(output)) == ["1 KiB", "4 KiB"]
+
+
+def test_tp_states_what_the_config_s_all_reduces_need_and_a_world_it_cannot_group(tmp_path, capsys):
+    """One rank in this process: --tp 2 has no group to time (a problem, exit 1), but the config's need is stated,
+    as `ddptrain plan --tp 2` counts it: 2 blocks x 4 all-reduces of 2 x 32 x 64 x 4 B = 128 KiB a step."""
+    from ddptrain.config import TrainConfig, to_toml
+
+    job = tmp_path / "job.toml"
+    job.write_text(to_toml(TrainConfig(model="gpt", strategy="fsdp", task="language_model", vocab_size=256,
+                                       seq_len=32, width=64, num_layers=2, num_heads=4, batch_size=2)))
+    code = doctor.main(["--run_dir", str(tmp_path / "run"), "--max_mb", "0.01", "--iters", "1", "--tp", "2",
+                        "--config", str(job)])
+    output = capsys.readouterr().out
+    assert code == 1
+    assert "the config needs per step: 8 all-reduces, 0.1 MiB, each rank sending 0.1 MiB" in output, output
+    assert "--tp 2 does not divide the ranks of every node (world 1, 1 on this one)" in output
+
+
+def test_the_tp_section_puts_the_measured_bandwidth_beside_the_need():
+    from ddptrain.tools.plan import TensorParallelTraffic
+
+    traffic = TensorParallelTraffic(tp=2, micro_steps=2, by_layer={("blocks.*.proj", "forward"): 2},
+                                    sizes=(1 << 20,) * 2, element_bytes=2)
+    group = {"bytes": 1 << 20, "time_ms": 1.0, "algbw_gbps": 1.0, "busbw_gbps": 1.0, "ok": True}
+    text = doctor.render_tp(2, group, traffic)
+    assert "all-reduce of 1 MiB within each group: 1.000 ms, busbw 1 GB/s" in text
+    # 4 all-reduces of 1 MiB a step, each 2(N-1)/N * 1 MiB at 1 GB/s: 4 * 1.048576 ms
+    assert "needs per step: 4 all-reduces, 4.0 MiB, each rank sending 4.0 MiB" in text
+    assert "they take 4.19 ms a step" in text
+    assert "--config TRAINING.toml" in doctor.render_tp(2, group, None)
 
 
 def _report(rank: int, **changes) -> doctor.RankReport:
@@ -130,6 +166,8 @@ def test_code_hash_follows_the_package_sources_not_where_they_lie(tmp_path, monk
 @pytest.mark.parametrize("args, env, names", [
     (["--iters", "0"], {}, "--iters"),
     (["--bogus"], {}, "--bogus"),
+    (["--tp", "0"], {}, "--tp"),
+    (["--config", "job.toml"], {}, "pass --tp N"),
 ])
 def test_usage_errors_are_one_line(args, env, names):
     assert names in one_line_error(cli_in_process(["doctor", *args], env=env))

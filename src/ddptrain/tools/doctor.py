@@ -8,6 +8,9 @@ It runs under the same launchers as training — `ddptrain doctor --nproc N`, `s
   saw of the run dir;
 * an all-reduce sweep (1 KiB to 64 MiB) with algorithm bandwidth (bytes / time) and bus bandwidth
   (algbw * 2(N-1)/N, the traffic each link carries in a ring all-reduce, comparable across world sizes);
+* with `--tp N`, an all-reduce within each tensor-parallel group (N consecutive ranks of a node, as training
+  groups them) of one micro-batch's activation (`--config`'s training config, as `ddptrain plan --tp N` counts
+  it; else --tp_mib), and what the config's all-reduces of a step would take at that bandwidth;
 * the problems found, each naming the odd ranks: versions or code that differ from the rest, a run dir
   a rank cannot write, a run dir that is not the same (shared) storage on every node, a wrong all-reduce.
 
@@ -32,9 +35,11 @@ from pathlib import Path
 
 import ddptrain
 from ddptrain.cliargs import ArgParser
+from ddptrain.config import resolve_config
 from ddptrain.errors import EXIT_FAILURE, EXIT_OK, UsageError
 from ddptrain.parallel.launch import launch_local, start_worker_server, strip_flag
 from ddptrain.parallel.procenv import read_launch_env
+from ddptrain.tools import plan
 from ddptrain.tools.tables import format_table
 
 VERDICT_VAR = "DDPTRAIN_DOCTOR_VERDICT"  # set by `--nproc`: rank 0 writes the problems there
@@ -54,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_mb", type=float, default=64.0, help="largest all-reduce of the sweep in MiB")
     parser.add_argument("--iters", type=int, default=5, help="timed all-reduces per size")
     parser.add_argument("--timeout_s", type=float, default=300.0, help="rendezvous and collective timeout")
+    tp = parser.add_argument_group("tensor parallel")
+    tp.add_argument("--tp", type=int, default=1, help="time an all-reduce within each group of this many consecutive "
+                    "ranks of a node, as --tp N training makes them (default 1: none)")
+    tp.add_argument("--config", metavar="FILE", help="with --tp: the training config (TOML): its all-reduces per step "
+                    "(`ddptrain plan --tp N`'s count) set the size timed and are put beside the measured bandwidth")
+    tp.add_argument("--tp_mib", type=float, default=16.0, help="with --tp and no --config: the size of the "
+                    "all-reduce timed, MiB (default 16)")
     return parser
 
 
@@ -90,6 +102,11 @@ def main(argv: list[str], entry: Callable[[str, list[str]], None] | None = None)
     args = build_parser().parse_args(argv)
     if args.nproc < 0 or args.iters < 1 or args.max_mb <= 0 or args.timeout_s <= 0:
         raise UsageError("--nproc must be >= 0, --iters >= 1, --max_mb and --timeout_s > 0")
+    if args.tp < 1 or args.tp_mib <= 0:
+        raise UsageError("--tp must be >= 1 and --tp_mib > 0")
+    if args.config and args.tp == 1:
+        raise UsageError("--config: the doctor reads the training config for its --tp all-reduces; pass --tp N")
+    traffic = tp_traffic(args)  # a config's usage error here, before any worker starts
     if args.nproc:
         if read_launch_env().launched:
             raise UsageError("--nproc starts local workers, but this process is already a worker of a launcher "
@@ -97,7 +114,17 @@ def main(argv: list[str], entry: Callable[[str, list[str]], None] | None = None)
         if entry is None:
             raise UsageError("--nproc: run it as the command `ddptrain doctor --nproc N`, which starts the workers")
         return _launch(argv, args, entry)
-    return check(args)
+    return check(args, traffic)
+
+
+def tp_traffic(args: argparse.Namespace):
+    """`--config`'s tensor-parallel all-reduces per step at --tp (plan.TensorParallelTraffic), None without it."""
+    if not args.config:
+        return None
+    from ddptrain.tools import memplan
+
+    cfg = resolve_config(["--config", args.config, "--tp", str(args.tp)], prog="ddptrain doctor")
+    return plan.tp_traffic(cfg, memplan.model_shape(cfg))
 
 
 def _launch(argv: list[str], args: argparse.Namespace, entry: Callable[[str, list[str]], None]) -> int:
@@ -120,8 +147,8 @@ def _launch(argv: list[str], args: argparse.Namespace, entry: Callable[[str, lis
         verdict.unlink(missing_ok=True)
 
 
-def check(args: argparse.Namespace) -> int:
-    """Every check, on every rank; rank 0 prints. Must be called on all ranks."""
+def check(args: argparse.Namespace, traffic=None) -> int:
+    """Every check, on every rank; rank 0 prints. `traffic`: `tp_traffic(args)`. Must be called on all ranks."""
     import torch
 
     from ddptrain.parallel.distributed import distributed
@@ -133,6 +160,8 @@ def check(args: argparse.Namespace) -> int:
         barrier_ms = _barrier_latency_ms(ctx)
         run_dir_error, seen = _probe_run_dir(ctx, Path(args.run_dir))
         sweep, sums_ok = _all_reduce_sweep(ctx, int(args.max_mb * (1 << 20)), args.iters)
+        tp_size = max(traffic.sizes) if traffic and traffic.sizes else int(args.tp_mib * (1 << 20))
+        group = _tp_all_reduce(ctx, args.tp, tp_size, args.iters) if args.tp > 1 else None
         mine = RankReport(
             rank=ctx.rank, host=ctx.host, addr=ctx.addr, interface=ctx.interface, device=_device_name(ctx.device),
             torch=torch.__version__, python=platform.python_version(), ddptrain=ddptrain.__version__,
@@ -141,8 +170,14 @@ def check(args: argparse.Namespace) -> int:
             all_reduce_ok=sums_ok)
         reports = [RankReport(**r) for r in _gather_objects(ctx, asdict(mine))]
         problems = find_problems(reports, args.run_dir)
+        if args.tp > 1 and group is None:
+            problems.append(f"--tp {args.tp} does not divide the ranks of every node (world {ctx.world_size}, "
+                            f"{ctx.local_world_size} on this one): a tensor-parallel group must stay inside a node")
+        elif group is not None and not group["ok"]:
+            problems.append(f"all-reduce within the --tp {args.tp} groups returned wrong sums")
         if ctx.is_main:
-            print(render(reports, sweep, ctx.backend, args.run_dir, problems), flush=True)
+            section = render_tp(args.tp, group, traffic) if args.tp > 1 else ""
+            print(render(reports, sweep, ctx.backend, args.run_dir, problems, section), flush=True)
             if os.environ.get(VERDICT_VAR):
                 Path(os.environ[VERDICT_VAR]).write_text(json.dumps({"problems": problems}))
         if os.environ.get(VERDICT_VAR):
@@ -238,6 +273,55 @@ def _all_reduce_sweep(ctx, max_bytes: int, iters: int) -> tuple[list[dict], bool
     return rows, ok
 
 
+def _tp_all_reduce(ctx, tp: int, size: int, iters: int) -> dict | None:
+    """Time an all-reduce of `size` bytes within each group of `tp` consecutive ranks (a --tp group), all groups
+    at once, as training runs them; the slowest rank's time counts. None where `tp` does not divide every node's
+    ranks (all ranks agree: each node's count is gathered)."""
+    import torch
+    import torch.distributed as dist
+
+    counts = [int(n) for (n,) in ctx.gather_floats([float(ctx.local_world_size)])]
+    if ctx.world_size % tp or any(n % tp for n in counts):
+        return None
+    groups = [dist.new_group(list(range(first, first + tp))) for first in range(0, ctx.world_size, tp)]
+    mine = groups[ctx.rank // tp]
+    tensor = torch.full((max(1, size // 4),), float(ctx.rank % tp + 1), dtype=torch.float32, device=ctx.device)
+    dist.all_reduce(tensor, group=mine)  # warm-up, and a check of the sum
+    ok = bool((tensor == tp * (tp + 1) / 2).all())
+    dist.barrier()
+    _sync(ctx.device)
+    begin = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(tensor, group=mine)
+    _sync(ctx.device)
+    seconds = (time.perf_counter() - begin) / iters
+    slowest = max(t for (t,) in ctx.gather_floats([seconds]))
+    for group in groups:
+        dist.destroy_process_group(group)
+    algbw = tensor.numel() * 4 / slowest / 1e9
+    return {"bytes": tensor.numel() * 4, "time_ms": 1000 * slowest, "algbw_gbps": algbw,
+            "busbw_gbps": bus_bandwidth(algbw, tp), "ok": ok}
+
+
+def render_tp(tp: int, group: dict | None, traffic) -> str:
+    """The --tp section: the all-reduce measured within a group, and what the config's per step would take."""
+    lines = [f"tensor parallel --tp {tp} (groups of {tp} consecutive ranks of a node)"]
+    if group is not None:
+        lines.append(f"  all-reduce of {_size(group['bytes'])} within each group: {group['time_ms']:.3f} ms, busbw "
+                     f"{group['busbw_gbps']:.3g} GB/s (slowest rank)")
+    if traffic is not None and traffic.sizes:
+        lines.append(f"  the config needs per step: {len(traffic.sizes) * traffic.micro_steps} all-reduces, "
+                     f"{traffic.step_bytes / (1 << 20):.1f} MiB, each rank sending "
+                     f"{traffic.rank_bytes / (1 << 20):.1f} MiB")
+        if group is not None:
+            spent = traffic.step_s(group["busbw_gbps"] * 1e9, 0.0)
+            lines.append(f"  at the measured busbw they take {1000 * spent:.2f} ms a step, on the critical path "
+                         "(compare with the step's compute: `ddptrain plan --tp N --step_ms MS`)")
+    elif traffic is None:
+        lines.append("  --config TRAINING.toml: what that job's all-reduces need per step")
+    return "\n".join(lines)
+
+
 def bus_bandwidth(algbw: float, world_size: int) -> float:
     """Ring all-reduce: each rank sends and receives 2(N-1)/N of the buffer, so busbw = algbw * 2(N-1)/N."""
     return algbw * 2 * (world_size - 1) / world_size
@@ -297,7 +381,8 @@ def _size(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
-def render(reports: list[RankReport], sweep: list[dict], backend: str, run_dir: str, problems: list[str]) -> str:
+def render(reports: list[RankReport], sweep: list[dict], backend: str, run_dir: str, problems: list[str],
+           tensor_parallel: str = "") -> str:
     world = len(reports)
     ranks = format_table(
         ["rank", "host", "address", "iface", "device", "torch", "python", "ddptrain", "code", "rdzv s",
@@ -312,7 +397,7 @@ def render(reports: list[RankReport], sweep: list[dict], backend: str, run_dir: 
                if not problems else "problems:\n" + "\n".join(f"  - {p}" for p in problems))
     return (f"ddptrain doctor: {world} rank(s), backend {backend}, run dir {run_dir}\n\n{ranks}\n\n"
             f"all-reduce sweep (busbw = algbw * 2(N-1)/N, N = {world}; slowest rank's time)\n{bandwidth}\n\n"
-            f"{verdict}")
+            + (f"{tensor_parallel}\n\n" if tensor_parallel else "") + verdict)
 
 
 if __name__ == "__main__":

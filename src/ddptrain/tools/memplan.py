@@ -22,6 +22,11 @@ the world; hsdp: the ranks of a node, so give plan the ranks per node):
   backward. With --activation_checkpointing a recomputed block keeps only its inputs from its forward to its
   backward, where it saves its activations again while its backward runs: one block's at a time.
 
+Under --tp N a rank computes with its group's share (`ModelShape.per_tp_rank`): 1/N of the parameters of the
+layers the model's tp_plan splits (a rowwise layer's bias stays whole) and of the activations computed from a
+colwise layer's output up to a rowwise layer's (followed through the meta forward, `_TensorParallelTrace`); the
+rest whole. The strategy then shares that among the ranks/N data-parallel ranks.
+
 The moments are each unit's forward and each unit's backward; the peak is the fullest. --cpu_offload keeps
 the state at rest on the host: the device holds the rest.
 
@@ -33,19 +38,25 @@ returns freed blocks at once, `parallel/hostmem.py`), and DDP's communication be
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fnmatch
 import math
+import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import RowwiseParallel
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from ddptrain.config import TrainConfig
 from ddptrain.errors import UsageError
 from ddptrain.loop.plugins import model_of, task_of
 from ddptrain.models import lora
 from ddptrain.observe.perf import values_unknown
-from ddptrain.parallel import vocab
+from ddptrain.parallel import tensor, vocab
 from ddptrain.parallel.strategies import fsdp_blocks, recomputed_blocks
 
 MIB = 1 << 20
@@ -64,6 +75,21 @@ class Unit:
     inputs: int | None = None
     vocabulary: int = 0  # the rows of the vocabulary matrix this unit computes with, split (parallel/vocab.py)
     in_root: bool = False  # a vocabulary unit that, where the ranks cannot split its rows, is part of the root
+    tp_elements: int = 0  # of `elements`, those of the layers the model's tp_plan splits (--tp)
+    tp_trainable: int = 0
+    tp_activations: int = 0  # of `activations`, those computed from a split layer's output up to a rowwise layer
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One all-reduce over a tensor-parallel group per micro-batch (--tp): after a rowwise layer's forward (its
+    partial outputs summed) or in a colwise layer's backward (its input gradient summed), of `size` bytes at
+    fp32; `recomputed`: in a block --activation_checkpointing runs forward twice."""
+
+    layer: str  # as the tp_plan names it: "blocks.*.proj"
+    direction: str  # "forward" or "backward"
+    size: int
+    recomputed: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,6 +99,7 @@ class ModelShape:
 
     units: tuple[Unit, ...]
     activations_known: bool  # False: a task whose batch cannot be made up, and no --activation_mib
+    collectives: tuple[Collective, ...] = ()  # --tp: one micro-batch's all-reduces, in the order they run
 
     @property
     def elements(self) -> int:
@@ -85,6 +112,19 @@ class ModelShape:
     @property
     def activations(self) -> int:
         return sum(u.activations for u in self.units)
+
+    @property
+    def tp_elements(self) -> int:
+        return sum(u.tp_elements for u in self.units)
+
+    def per_tp_rank(self, tp: int) -> ModelShape:
+        """What one rank of a tensor-parallel group of `tp` computes with: 1/tp of the split layers' parameters
+        and of the activations between a split layer and a rowwise one, the rest whole."""
+        part = lambda whole, split: whole - split + -(-split // tp)  # noqa: E731
+        return dataclasses.replace(self, units=tuple(dataclasses.replace(
+            u, elements=part(u.elements, u.tp_elements), trainable=part(u.trainable, u.tp_trainable),
+            activations=part(u.activations, u.tp_activations), tp_elements=-(-u.tp_elements // tp),
+            tp_trainable=-(-u.tp_trainable // tp), tp_activations=-(-u.tp_activations // tp)) for u in self.units))
 
 
 @dataclass(frozen=True)
@@ -127,16 +167,27 @@ def optimizer_states(optimizer: str, momentum: float) -> int:
     return 1 if momentum else 0
 
 
+def compute_bytes(cfg: TrainConfig) -> int:
+    """Bytes of an element the forward computes in: 2 under --use_amp or bf16 weights, else 4."""
+    return 2 if cfg.use_amp or (cfg.strategy != "ddp" and cfg.param_dtype == "bf16") else 4
+
+
 def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
-    """What a rank of `ranks` holds at its peak under cfg's strategy and precision (see the module's text)."""
+    """What a rank of `ranks` holds at its peak under cfg's strategy and precision (see the module's text).
+    Under --tp N a rank computes with its group's share of the split layers (`per_tp_rank`), and the sharded
+    strategies divide that among the ranks/N data-parallel ranks."""
+    if cfg.tp > 1:
+        shape, sharers = shape.per_tp_rank(cfg.tp), ranks // cfg.tp
+    else:
+        sharers = ranks
     sharded = cfg.strategy != "ddp"
     weight = 2 if sharded and cfg.param_dtype == "bf16" else 4
-    compute = 2 if cfg.use_amp or weight == 2 else 4
+    compute = compute_bytes(cfg)
     reduce = 2 if sharded and cfg.reduce_dtype == "bf16" else 4
     states = optimizer_states(cfg.optimizer, cfg.momentum) * weight
     units, root = shape.units, shape.units[-1]
-    share = (lambda n: math.ceil(n / ranks)) if sharded else (lambda n: n)
-    split = {u.name for u in units if u.vocabulary and ranks > 1 and vocab.splits(u.vocabulary, ranks)}
+    share = (lambda n: math.ceil(n / sharers)) if sharded else (lambda n: n)
+    split = {u.name for u in units if u.vocabulary and sharers > 1 and vocab.splits(u.vocabulary, sharers)}
     # Where the rows do not split (one rank, too few rows), the run leaves the matrix where it was: a tied one
     # in the root unit.
     rooted = [u for u in units[:-1] if u.in_root and u.name not in split]
@@ -208,7 +259,8 @@ def model_shape(cfg: TrainConfig, activation_mib: float | None = None) -> ModelS
     names = {id(b): next(n for n, m in model.named_modules() if m is b) for b in blocks}
     recomputed = ({id(b) for b in recomputed_blocks(model, cfg.fsdp_blocks)} if cfg.activation_checkpointing
                   else set())
-    saved = None if activation_mib is not None else saved_by_unit(model, blocks, cfg)
+    layers = tp_layers(model, cfg.tp) if cfg.tp > 1 else {}
+    saved = None if activation_mib is not None else saved_by_unit(model, blocks, cfg, layers)
     order = sorted(blocks, key=lambda b: saved["order"].index(id(b)) if saved and id(b) in saved["order"] else 1 << 30)
     seen: set[int] = set()
     units = []
@@ -220,10 +272,77 @@ def model_shape(cfg: TrainConfig, activation_mib: float | None = None) -> ModelS
             activations = int(activation_mib * MIB)
         inputs = saved["inputs"].get(key, 0) if saved and key in recomputed else None
         rows = module.weight.shape[0] if key != "root" and module._parameters.get("weight") in vocabulary else 0
+        split = [p for p in params if id(p) in layers]
         units.append(Unit(names.get(key, "root"), sum(p.numel() for p in params),
                           sum(p.numel() for p in params if p.requires_grad), activations, inputs, rows,
-                          in_root=bool(rows) and key not in own))
-    return ModelShape(tuple(units), activation_mib is not None or saved is not None)
+                          in_root=bool(rows) and key not in own, tp_elements=sum(p.numel() for p in split),
+                          tp_trainable=sum(p.numel() for p in split if p.requires_grad),
+                          tp_activations=saved["split"].get(key, 0) if saved else 0))
+    collectives = tuple(Collective(layer, direction, size, owner in recomputed)
+                        for owner, layer, direction, size in (saved["collectives"] if saved else ()))
+    return ModelShape(tuple(units), activation_mib is not None or saved is not None, collectives)
+
+
+def tp_layers(model: nn.Module, tp: int) -> dict[int, tuple[str, str]]:
+    """The parameters --tp splits, by id: (their layer as the tp_plan names it, "rowwise" or "colwise"), from the
+    plan training applies (parallel/tensor.py's `plan_for`: the model's tp_plan, a LoRA model's adapters beside
+    their base layers), matched as torch's `parallelize_module` matches it (fnmatch per dotted part); a rowwise
+    layer's bias stays whole and is not among them. A plan's name for one block's layer (a LoRA model's) is
+    read with its block number as `*`. What training refuses (no plan, heads the group cannot share out) is
+    refused here the same way, exit 2."""
+    plan = tensor.plan_for(model, tp)
+    found = {}
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        key = next((key for key in plan if len(key.split(".")) == len(parts)
+                    and all(map(fnmatch.fnmatchcase, parts, key.split(".")))), None)
+        if key is None:
+            continue
+        style = "rowwise" if isinstance(plan[key], RowwiseParallel) else "colwise"
+        layer = key if "*" in key else re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", key, count=1)
+        for pname, param in module.named_parameters(recurse=False):
+            if not (style == "rowwise" and pname == "bias"):
+                found[id(param)] = (layer, style)
+    return found
+
+
+class _TensorParallelTrace(TorchFunctionMode):
+    """A meta forward followed through the layers --tp splits (`tp_layers`): which tensors a rank of a group
+    holds a part of (a colwise layer's output and what is computed from it, until a rowwise layer's output,
+    summed over the group, is whole again) and the all-reduces that costs: a rowwise layer's output in forward,
+    a colwise layer's input gradient in backward (the size of its input)."""
+
+    def __init__(self, layers: dict[int, tuple[str, str]], running: list[object]):
+        super().__init__()
+        self.layers, self.running = layers, running
+        self.split: dict[int, bool] = {}  # storage -> whether it is split
+        self.pending: list[int] = []  # storages saved for backward by the op running
+        self.saved_split: dict[int, bool] = {}
+        self.collectives: list[tuple[object, str, str, int]] = []  # (unit key, layer, direction, fp32 bytes)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        styles = [self.layers[id(t)] for t in tensors if id(t) in self.layers]
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if styles and len(styles) < len(tensors):  # a split layer's product (not a look at its weight)
+            layer, style = styles[0]
+            split = style != "rowwise"
+            summed = outputs if style == "rowwise" else [next(t for t in tensors if id(t) not in self.layers)]
+            self.collectives.append((self.running[-1], layer, "backward" if split else "forward",
+                                     sum(t.numel() * t.element_size() for t in summed)))
+        else:
+            split = any(self.split.get(_storage(t), False) for t in tensors)
+        for t in outputs:
+            self.split[_storage(t)] = split
+        # What the op saved: an input as it came, anything the op made (its outputs, its own intermediates) as its
+        # outputs are. (A storage's number is reused once it is freed: only the inputs' are known to be current.)
+        inputs = {_storage(t) for t in tensors}
+        for key in self.pending:
+            self.saved_split[key] = self.split.get(key, False) if key in inputs else split
+        self.pending.clear()
+        return out
 
 
 def synthetic_batch(cfg: TrainConfig) -> object | None:
@@ -237,12 +356,15 @@ def synthetic_batch(cfg: TrainConfig) -> object | None:
     return None
 
 
-def saved_by_unit(model: nn.Module, blocks: list[nn.Module], cfg: TrainConfig) -> dict | None:
+def saved_by_unit(model: nn.Module, blocks: list[nn.Module], cfg: TrainConfig,
+                  layers: dict[int, tuple[str, str]] | None = None) -> dict | None:
     """One micro-batch's forward and loss on fake tensors: {"order": the blocks' ids in the order their forward
     ran, "bytes": {block id or "root": the bytes saved for backward while it ran}, "inputs": {block id: the
     bytes of the tensors it was called with, what a recomputed block keeps}}, parameters excluded and each
     storage counted once, the largest saved tensor twice (the gradient flowing back through it); None where the
-    task's batch cannot be made up."""
+    task's batch cannot be made up. With the layers --tp splits (`tp_layers`) also "split": {unit: the part of
+    its bytes a tensor-parallel rank holds 1/tp of} and "collectives": the group's all-reduces, (unit, layer,
+    "forward" or "backward", fp32 bytes), in the order of the forward."""
     batch = synthetic_batch(cfg)
     if batch is None:
         return None
@@ -268,11 +390,14 @@ def saved_by_unit(model: nn.Module, blocks: list[nn.Module], cfg: TrainConfig) -
         key = _storage(tensor)
         if key not in params and key not in saved:
             saved[key] = (running[-1], tensor.untyped_storage().nbytes())
+            if layers:
+                trace.pending.append(key)
         return tensor
 
     hooks = [h for b in blocks for h in (b.register_forward_pre_hook(enter, with_kwargs=True),
                                          b.register_forward_hook(leave))]
     task = task_of(cfg)
+    trace = _TensorParallelTrace(layers or {}, running)
     try:
         with values_unknown(torch.device("meta")) as as_fake, torch.autograd.graph.saved_tensors_hooks(pack, _same):
             # The forward sees each parameter as the fake tensor the mode remembers for it while it lives: kept
@@ -281,7 +406,8 @@ def saved_by_unit(model: nn.Module, blocks: list[nn.Module], cfg: TrainConfig) -
             params = {_storage(f) for f in fakes}
             fake_batch = type(batch)(map(as_fake, batch)) if isinstance(batch, tuple) else as_fake(batch)
             model.train()
-            task.loss(model, fake_batch)
+            with trace if layers else contextlib.nullcontext():
+                task.loss(model, fake_batch)
     except Exception as exc:  # a model whose forward needs values: the user gives the figure instead
         raise UsageError(f"--model {cfg.model}: its forward on the meta device failed ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0][:200]}); pass --activation_mib") from None
@@ -289,12 +415,16 @@ def saved_by_unit(model: nn.Module, blocks: list[nn.Module], cfg: TrainConfig) -
         for hook in hooks:
             hook.remove()
     by_unit: dict[object, int] = {}
-    for owner, size in saved.values():
+    split: dict[object, int] = {}
+    for key, (owner, size) in saved.items():
         by_unit[owner] = by_unit.get(owner, 0) + size
-    largest = max(saved.values(), key=lambda entry: entry[1], default=None)
+        split[owner] = split.get(owner, 0) + size * trace.saved_split.get(key, False)
+    largest = max(saved, key=lambda key: saved[key][1], default=None)
     if largest is not None:
-        by_unit[largest[0]] += largest[1]
-    return {"order": order, "bytes": by_unit, "inputs": inputs}
+        owner, size = saved[largest]
+        by_unit[owner] += size
+        split[owner] += size * trace.saved_split.get(largest, False)
+    return {"order": order, "bytes": by_unit, "inputs": inputs, "split": split, "collectives": trace.collectives}
 
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,14 @@ and the network's all-reduce bus bandwidth and latency (from `ddptrain doctor`, 
   FSDP2's buffers, and the activations one micro-batch saves for backward (counted on fake tensors). The rules
   are in ddptrain/tools/memplan.py; `make bench` (section big_model) holds them against measured peaks.
 
+* Tensor parallel (`--tp N` among the training flags; `--gpus_per_node`, which N must divide): a rank of a group
+  holds 1/N of the layers the model's tp_plan splits and of the activations between a split layer and a rowwise
+  one, the rest whole, and fsdp shards that over the ranks/N data-parallel ranks. Per block the group all-reduces
+  one micro-batch's activation after each rowwise layer in forward and for each colwise layer's input gradient
+  in backward (the gpt: 2 and 2), sizes read from the meta forward; the compute waits for each. Printed: the
+  all-reduces and bytes per step, the bytes each rank sends (2(N-1)/N of them), the busbw that keeps them at
+  10% of a step (--step_ms, else 100 ms), and with --busbw_gbps or --doctor their time.
+
 Not modelled (each makes real runs slower than predicted): compute slowed by communication kernels
 sharing the device (NCCL uses SMs; on CPU gloo uses the same cores), hierarchical networks (give the
 slowest, inter-node bandwidth), NCCL's tree algorithms at large N (they cut latency: the prediction is
@@ -307,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     memory = parser.add_argument_group("memory (with the training flags: --model ... --strategy fsdp --nproc N)")
     memory.add_argument("--activation_mib", type=float, help="activations of one micro-batch in MiB, where the "
                         "task's batch cannot be made up on the meta device (plug-in tasks, dict batches)")
+    memory.add_argument("--gpus_per_node", type=int, default=8, help="with the training flag --tp N: the ranks of a "
+                        "node, which N must divide (a tensor-parallel group stays inside a node; default 8)")
     ddp.add_argument("--gpus", default=",".join(map(str, DEFAULT_GPUS)),
                      help="comma-separated device counts (default: 8,16,...,1024)")
     return parser
@@ -401,13 +411,17 @@ def main(argv: list[str]) -> int:
         cfg, shape = memory
         if cfg.nproc:
             gpus = [cfg.nproc]
+        check_tp_fits(cfg.tp, gpus, cfg.nproc or args.gpus_per_node)
         print(render_memory(cfg, shape, [memplan.footprint(shape, cfg, n) for n in gpus]))
+        if cfg.tp > 1:
+            print()
+            print(render_tensor_parallel(cfg, tp_traffic(cfg, shape), *tp_network(args)))
         tokens = render_tokens(cfg)
         if tokens:
             print()
             print(tokens)
-        if not (args.run_dir or args.step_ms is not None):
-            return EXIT_OK  # memory alone: no step time to scale
+        if not (args.run_dir or args.step_ms is not None) or cfg.tp > 1:
+            return EXIT_OK  # memory alone: no step time to scale (the data-parallel table models no (dp, tp) mesh)
         print()
     work = workload_from_args(args)
     print(render(work, [predict(work, n) for n in gpus]))
@@ -440,14 +454,20 @@ def render_memory(cfg: Any, shape: memplan.ModelShape, footprints: list[memplan.
               + (f"; activations {shape.activations / MIB:.1f} MiB (fp32) per micro-batch of {cfg.batch_size}"
                  if shape.activations_known else "; activations not counted for this task (--activation_mib)")
               + (f"; --activation_checkpointing: {sum(u.inputs is not None for u in shape.units)} blocks keep their "
-                 "inputs, one recomputed at a time" if cfg.activation_checkpointing and shape.activations_known else ""))
-    names = ["ranks", "params MiB", "grads MiB", "optimizer MiB", "gathered MiB", "activations MiB",
-             "peak MiB/rank", "peak / fp32 model", "at"]
+                 "inputs, one recomputed at a time" if cfg.activation_checkpointing and shape.activations_known else "")
+              + (f"; --tp {cfg.tp}: the tp_plan's layers hold {shape.tp_elements / 1e6:.1f}M parameters, each rank of "
+                 f"a group 1/{cfg.tp} of them and of the activations between a split layer and a rowwise one, the rest "
+                 "(embeddings, norms, head) whole on each rank of a group"
+                 + (f", then sharded over the ranks/{cfg.tp} data-parallel ranks" if sharded else "")
+                 if cfg.tp > 1 else ""))
+    names = ["ranks", *(["dp x tp"] if cfg.tp > 1 else []), "params MiB", "grads MiB", "optimizer MiB", "gathered MiB",
+             "activations MiB", "peak MiB/rank", "peak / fp32 model", "at"]
     fp32 = 4 * shape.elements
     rows = []
     for f in footprints:  # the kinds at the peak's moment: they add up to the peak
         kinds = (f.params, f.grads_at_peak, f.optimizer, f.gathered, f.activations)
-        rows.append([str(f.ranks), *(f"{b / MIB:.0f}" for b in kinds), f"{f.device_peak / MIB:.0f}",
+        mesh = [f"{f.ranks // cfg.tp} x {cfg.tp}"] if cfg.tp > 1 else []
+        rows.append([str(f.ranks), *mesh, *(f"{b / MIB:.0f}" for b in kinds), f"{f.device_peak / MIB:.0f}",
                      f"{f.device_peak / fp32:.2f}x", f.moment])
     notes = ("peak = what the rank holds at its fullest moment of a step: its share of parameters, gradients and "
              "optimizer state, the unit being computed gathered whole with its gradients and FSDP2's buffers, the "
@@ -457,6 +477,133 @@ def render_memory(cfg: Any, shape: memplan.ModelShape, footprints: list[memplan.
         notes = ("--cpu_offload: params, grads and optimizer state live in host memory (not in the peak). " + notes)
     table = format_table(names, rows, align="right")
     return "\n".join([textwrap.fill(header, 110), "", table, "", textwrap.fill(notes, 110)])
+
+
+def check_tp_fits(tp: int, gpus: list[int], per_node: int) -> None:
+    """--tp N as training refuses it: N must divide every device count and the ranks of a node (a group stays
+    inside a node)."""
+    if tp == 1:
+        return
+    if per_node < 1:
+        raise UsageError("--gpus_per_node must be >= 1")
+    odd = [n for n in gpus if n % tp or min(n, per_node) % tp]
+    if odd:
+        raise UsageError(f"--tp {tp} must divide every device count and the {per_node} ranks of a node (a "
+                         f"tensor-parallel group stays inside a node), not {', '.join(map(str, odd))}: change --tp, --gpus "
+                         "or --gpus_per_node")
+
+
+@dataclass(frozen=True)
+class TensorParallelTraffic:
+    """The all-reduces of a tensor-parallel group per optimizer step (memplan's Collective, at the compute dtype)."""
+
+    tp: int
+    micro_steps: int  # --grad_accum_steps
+    by_layer: dict[tuple[str, str], int]  # (layer as the tp_plan names it, "forward" or "backward") -> how many
+    sizes: tuple[int, ...]  # bytes of each all-reduce of one micro-batch (a recomputed forward's again)
+    element_bytes: int
+
+    @property
+    def blocks(self) -> int:
+        """The blocks whose layers split: each of the plan's layers is in each of them once."""
+        return max(self.by_layer.values(), default=0)
+
+    @property
+    def step_bytes(self) -> int:
+        """Bytes all-reduced per optimizer step (each all-reduce counted once)."""
+        return sum(self.sizes) * self.micro_steps
+
+    @property
+    def rank_bytes(self) -> float:
+        """Bytes each rank sends (and receives) per step in ring all-reduces over the group: 2(N-1)/N of each."""
+        return self.step_bytes * 2 * (self.tp - 1) / self.tp
+
+    def step_s(self, busbw_bytes_per_s: float, latency_s: float) -> float:
+        """The all-reduces of a step back to back (the next layer waits for each: nothing hides them)."""
+        return self.micro_steps * sum(ring_all_reduce_s(size, self.tp, busbw_bytes_per_s, latency_s)
+                                      for size in self.sizes)
+
+
+def tp_traffic(cfg: Any, shape: memplan.ModelShape) -> TensorParallelTraffic:
+    """cfg's --tp all-reduces per step from the meta forward's (memplan.model_shape), at the compute dtype: the
+    forward all-reduces of a block --activation_checkpointing recomputes run again in its backward."""
+    from ddptrain.tools import memplan
+
+    element = memplan.compute_bytes(cfg)
+    by_layer: dict[tuple[str, str], int] = {}
+    sizes = []
+    for c in shape.collectives:
+        key = (c.layer, c.direction)
+        by_layer[key] = by_layer.get(key, 0) + 1
+        sizes += [c.size * element // 4] * (2 if c.recomputed and c.direction == "forward" else 1)
+    return TensorParallelTraffic(cfg.tp, cfg.grad_accum_steps, by_layer, tuple(sizes), element)
+
+
+_TP_GROUP = re.compile(r"^  all-reduce of .* within each group: [\d.]+ ms, busbw ([\d.eE+-]+) GB/s", re.M)
+
+
+def tp_network(args: argparse.Namespace) -> tuple[float | None, float | None, float]:
+    """(step seconds or None, busbw bytes/s or None, hop latency) for the --tp estimate, from plan's own flags: a
+    --doctor file of `doctor --tp N` gives the busbw it measured within a group."""
+    step_s = args.step_ms / 1000 if args.step_ms is not None else None
+    if step_s is None and args.run_dir:
+        step_s = compute_from_run(Path(args.run_dir))[0]
+    busbw, latency = (args.busbw_gbps * 1e9 if args.busbw_gbps is not None else None), 10e-6
+    if busbw is None and args.doctor and Path(args.doctor).is_file():
+        text = Path(args.doctor).read_text(errors="replace")
+        busbw, latency, _ = network_from_doctor(text, args.doctor)
+        group = _TP_GROUP.search(text)  # `doctor --tp N`'s all-reduce within a group: the links TP uses
+        if group:
+            busbw = float(group.group(1)) * 1e9
+    if args.latency_us is not None:
+        latency = args.latency_us / 1e6
+    return step_s, busbw, latency
+
+
+TP_BUDGET = 0.1  # the share of a step the tensor-parallel all-reduces may take, for the bandwidth they need
+
+
+def render_tensor_parallel(cfg: Any, traffic: TensorParallelTraffic, step_s: float | None, busbw: float | None,
+                           latency_s: float) -> str:
+    if not traffic.sizes:
+        return (f"ddptrain plan: --tp {traffic.tp}: the all-reduces of the tensor-parallel groups are not counted for "
+                "this task (its batch cannot be made up on the meta device)")
+
+    def layers(direction: str) -> tuple[int, str]:
+        mine = [(layer, n) for (layer, d), n in traffic.by_layer.items() if d == direction]
+        return sum(n for _, n in mine) // traffic.blocks, ", ".join(layer for layer, _ in mine)
+
+    (forward, after), (backward, of) = layers("forward"), layers("backward")
+    size = max(traffic.sizes)
+    tokens = cfg.batch_size * cfg.seq_len * traffic.element_bytes if cfg.task == "language_model" else 0
+    shape = (f" = micro-batch {cfg.batch_size} x seq {cfg.seq_len} x width {size // tokens} x "
+             f"{traffic.element_bytes} B" if tokens and size % tokens == 0 else "")
+    recomputed = len(traffic.sizes) - sum(traffic.by_layer.values())
+    header = (f"ddptrain plan: tensor parallel --tp {traffic.tp}: all-reduces over the {traffic.tp} ranks of a group "
+              f"(inside a node), per block {forward} in forward (after {after}) and {backward} in backward (the "
+              f"input gradients of {of}), each of one micro-batch's activation, {size / MIB:.3g} MiB{shape}; "
+              f"{traffic.blocks} blocks"
+              + (f"; --activation_checkpointing runs the forward's {recomputed} again in backward"
+                 if recomputed else ""))
+    budget = step_s if step_s is not None else 0.1
+    rows = [("all-reduces per step", f"{len(traffic.sizes) * traffic.micro_steps}"
+             + (f" ({traffic.micro_steps} micro-batches)" if traffic.micro_steps > 1 else "")),
+            ("all-reduced per step", f"{traffic.step_bytes / MIB:.1f} MiB"),
+            ("each rank sends per step", f"{traffic.rank_bytes / MIB:.1f} MiB, and receives as much (2(N-1)/N of it, "
+             f"N = {traffic.tp})"),
+            ("busbw it needs", f"{traffic.rank_bytes / (TP_BUDGET * budget) / 1e9:.3g} GB/s, to take <= "
+             f"{100 * TP_BUDGET:.0f}% of a {1000 * budget:.0f} ms step" + ("" if step_s is not None else
+                                                                         " (--step_ms: yours)"))]
+    if busbw is not None:
+        spent = traffic.step_s(busbw, latency_s)
+        rows.append((f"at busbw {busbw / 1e9:.3g} GB/s", f"{1000 * spent:.2f} ms per step"
+                     + (f", {100 * spent / step_s:.2g}% of the step" if step_s else "")))
+    lines = [f"  {label:<27} {value}" for label, value in rows]
+    notes = ("The compute waits for each of them (nothing overlaps them): keep a group on NVLink-class links inside "
+             "a node; `ddptrain doctor --tp N` measures a group's busbw. Not counted here: the data-parallel "
+             "collectives, which under --tp carry each rank's share of the split layers over ranks/N ranks (the "
+             "scaling table of --step_ms is not drawn for a (dp, tp) mesh).")
+    return "\n".join([textwrap.fill(header, 110), "", *lines, "", textwrap.fill(notes, 110)])
 
 
 def render_tokens(cfg: Any) -> str | None:
