@@ -9,7 +9,8 @@ is the difference over the model's fp32 bytes, per rank. Fully sharded parameter
 0.5x; the target is 1.0x (no rank ever holds the whole model). The same job fine-tuning LoRA adapters
 (`--lora_rank 8`: the frozen base read into the shards, the adapters' init replayed) has the same target, and,
 at the full and quick sizes, the job with `--param_dtype bf16`, with `--cpu_offload` (on CPU the host is the
-device: the offloaded state stays where it was), and on 2 processes.
+device: the offloaded state stays where it was), on 2 processes, and with `--tp 2` (dp 2 x tp 2: the blocks split
+over a group of 2, the embedding and head by vocabulary rows over all 4 ranks).
 
 Each of those rows has a twin that holds `ddptrain plan`'s predicted peak (tools/memplan.py, for the same flags)
 against the measured one, rank by rank; the target is within 10 %.
@@ -84,7 +85,7 @@ def predicted_mib(model_dir: Path, nproc: int, tokens: Path, extra: tuple[str, .
 RUNS = (("big_model", "", (), None), ("big_model_lora", " + LoRA r8", ("--lora_rank", "8"), None),
         ("big_model_bf16", " --param_dtype bf16", ("--param_dtype", "bf16"), None),
         ("big_model_offload", " --cpu_offload", ("--cpu_offload",), None),
-        ("big_model_x2", "", (), 2))
+        ("big_model_x2", "", (), 2), ("big_model_tp2", " --tp 2", ("--tp", "2"), None))
 
 
 def big_model(size: str, work: Path) -> Plan:

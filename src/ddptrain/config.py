@@ -199,9 +199,6 @@ def refuse_ignored(cfg: TrainConfig, given: set[str]) -> None:
         raise UsageError(f"--vocab_parallel splits the embedding and head by rows under --strategy fsdp only (under "
                          f"{cfg.strategy} each rank holds {'whole matrices' if cfg.strategy == 'ddp' else 'FSDP units'}"
                          "); drop the flag or pass --strategy fsdp")
-    if "vocab_parallel" in given and cfg.vocab_parallel and cfg.tp > 1:
-        raise UsageError(f"--vocab_parallel does not compose with --tp {cfg.tp} yet (the embedding and head stay whole "
-                         "on each rank of a tensor-parallel group); drop the flag, or pass --tp 1")
     if "lora_alpha" in given and not cfg.lora_rank:
         raise UsageError("--lora_alpha scales LoRA adapters, which are off; set --lora_rank (e.g. 8)")
 

@@ -297,7 +297,8 @@ class ParallelSettings(Section):
                                       "result")
     vocab_parallel: bool = opt(True, "fsdp: each rank keeps its rows of the input embedding and output head and "
                                "never gathers them; the activations travel instead (parallel/vocab.py). "
-                               "--no-vocab_parallel makes them FSDP units like the blocks. Not under hsdp or --tp")
+                               "--no-vocab_parallel makes them FSDP units like the blocks. Under --tp the rows "
+                               "split over every rank of the (dp, tp) mesh. Not under hsdp")
     cpu_offload: bool = opt(False, "fsdp/hsdp: keep parameter shards, gradients and optimizer state in host memory "
                             "(FSDP2 CPUOffloadPolicy): each block is copied to the device for its compute, the "
                             "optimizer steps on the CPU. Same result, slower")

@@ -16,7 +16,7 @@ MIB = 1 << 20
 
 def _gpt(**changes) -> TrainConfig:
     values = dict(model="gpt", strategy="fsdp", task="language_model", vocab_size=256, seq_len=32, width=64,
-                  num_layers=2, num_heads=4, batch_size=2, tp=2)
+                  num_layers=2, num_heads=4, batch_size=2, tp=2, vocab_parallel=False)  # units: the blocks, the root
     return TrainConfig(**{**values, **changes})
 
 

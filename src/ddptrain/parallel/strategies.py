@@ -215,7 +215,14 @@ class ShardedParallel:
         # The embedding and head split by vocabulary rows, never gathered (parallel/vocab.py); FSDP2 leaves them.
         # Offloaded shards live on the host from the start (as FSDP2 moves a built model's there).
         home = torch.device("cpu") if parallel.cpu_offload else ctx.device
-        self.vocabulary = vocab.shard(module, self.mesh, home, policy.param_dtype) if vocab.wanted(parallel) else set()
+        # Under --tp over every rank, a tp group's ranks holding different rows (vocab.py): a 1-D mesh of its own
+        # root, as without --tp (lora's fingerprint counts each rank's part of a tensor on it).
+        split_rows = vocab.wanted(parallel)
+        self.rows_mesh = (init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
+                          if plan and split_rows else self.mesh)
+        replicas = self.mesh["tp"] if plan else None
+        self.vocabulary = (vocab.shard(module, self.rows_mesh, home, policy.param_dtype, replicas) if split_rows
+                           else set())
         shard = functools.partial(fully_shard, mesh=data_mesh, mp_policy=policy, offload_policy=offload,
                                   reshard_after_forward=parallel.reshard_after_forward,
                                   ignored_params=self.vocabulary or None)
@@ -322,6 +329,7 @@ class ShardedParallel:
         without this, a 2-process fsdp run's world group outlives its destruction).
         """
         _release_mesh(self.mesh)
+        _release_mesh(self.rows_mesh)
 
     @torch.no_grad()
     def check_replicas(self) -> None:

@@ -14,7 +14,8 @@ gradients of the parameters that are not split (the input gradient of a colwise 
 A transformers model (`--model hf:...`) splits by its own config's `base_model_tp_plan`, names under its base
 model (`model.`), where each style it names is one of ours (HF_STYLES); a plan with another style is refused.
 
-Not yet: a SequenceParallel split of the norms, a vocabulary-parallel loss, transformers' other styles.
+Under fsdp the input embedding and output head are split by vocabulary rows over every rank of the mesh
+(parallel/vocab.py), never gathered. Not yet: a SequenceParallel split of the norms, transformers' other styles.
 """
 
 from __future__ import annotations

@@ -19,9 +19,17 @@ FSDP2's reduce-scatter makes, summed in another order (rounding may differ in th
 batches of different lengths are padded to the longest (one small all-gather of the counts per call).
 Every rank must call the embedding and the head as many times as the others, as with any FSDP unit.
 
+Under --tp N the rows split over every rank of the world (a 1-D mesh of them all), not over dp alone:
+the ranks of a tp group read the same micro-batch, so each of its tokens is gathered N times and each rank gets
+back its own tokens' vectors and logits all the same. Their gradients are whole and alike on the N ranks
+(parallel/tensor.py), so a weight gradient sums each dp group's N times: divided by the world size it is the
+average over dp that FSDP2 makes of the other parameters. The group's ranks must also hold the same bits of
+everything not split, as tensor.py's all-reduces leave them: a vector's lookup is exact, but the hidden states'
+gradient is a sum that the reduce-scatter adds up in another order for each rank, so the group averages it.
+
 Used under `--strategy fsdp` at world size > 1 (`--vocab_parallel`, on by default) where the model's input
 embedding and output head are a plain `nn.Embedding` and a bias-free `nn.Linear` (tied or not); not under
-hsdp (a second mesh dimension). Under --cpu_offload the rows live on the host with the other shards and are
+hsdp (a replicate dimension). Under --cpu_offload the rows live on the host with the other shards and are
 copied to the device for each call, as FSDP2 copies a unit's shards.
 """
 
@@ -45,8 +53,8 @@ NOT_TOKEN_IDS = "an embedding's token ids must be integers"  # the split lookup'
 
 
 def wanted(parallel: ParallelSettings) -> bool:
-    """Whether the [parallel] section asks for the split: --vocab_parallel under fsdp, without --tp."""
-    return parallel.strategy == "fsdp" and parallel.vocab_parallel and parallel.tp == 1
+    """Whether the [parallel] section asks for the split: --vocab_parallel under fsdp (--tp or not)."""
+    return parallel.strategy == "fsdp" and parallel.vocab_parallel
 
 
 def vocab_weights(model: nn.Module) -> list[nn.Parameter]:
@@ -91,12 +99,14 @@ def splits(rows: int, ranks: int) -> bool:
     return all(_widths(rows, ranks))
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, home: torch.device,
-          compute_dtype: torch.dtype | None) -> set[nn.Parameter]:
-    """Replace each vocabulary matrix by this rank's rows as a Shard(0) DTensor over the 1-D `mesh`, on `home`
+def shard(model: nn.Module, mesh: DeviceMesh, home: torch.device, compute_dtype: torch.dtype | None,
+          replicas: DeviceMesh | None = None) -> set[nn.Parameter]:
+    """Replace each vocabulary matrix by this rank's rows as a Shard(0) DTensor over the 1-D `mesh` (every rank of
+    the world, --tp's groups too), on `home`
     (no collective: every rank holds the same matrix, or a meta one, left on meta) and route its holders'
     forwards through the vocabulary-parallel functions. `compute_dtype`: the dtype FSDP2 computes the other
-    units in (None: the weights' own). Returns the new parameters, for fully_shard to leave alone; empty where
+    units in (None: the weights' own). `replicas`: under --tp the tensor-parallel mesh, whose ranks read the same
+    tokens (see the module's text). Returns the new parameters, for fully_shard to leave alone; empty where
     the model has no vocabulary this can split."""
     ranks, rank = mesh.size(), mesh.get_local_rank()
     weights = vocab_weights(model)
@@ -110,9 +120,11 @@ def shard(model: nn.Module, mesh: DeviceMesh, home: torch.device,
                                                 stride=weight.stride()), requires_grad=weight.requires_grad)
         for holder in _holders(model, weight):
             holder._parameters["weight"] = split
-            forward = _embedding if type(holder) is nn.Embedding else _head
             # The mesh, not its group: ShardedParallel.release lets go of the groups through the mesh.
-            holder.forward = functools.partial(forward, holder, mesh, rows.start, compute_dtype)
+            if type(holder) is nn.Embedding:
+                holder.forward = functools.partial(_embedding, holder, mesh, rows.start, compute_dtype)
+            else:
+                holder.forward = functools.partial(_head, holder, mesh, rows.start, compute_dtype, replicas)
         kept.add(split)
     return kept
 
@@ -149,12 +161,13 @@ def _embedding(module: nn.Embedding, mesh: DeviceMesh, start: int, compute_dtype
 
 @torch.compiler.disable
 def _head(module: nn.Linear, mesh: DeviceMesh, start: int, compute_dtype: torch.dtype | None,
-          hidden: torch.Tensor) -> torch.Tensor:
+          replicas: DeviceMesh | None, hidden: torch.Tensor) -> torch.Tensor:
     weight = _local_weight(module, hidden.device, compute_dtype)
     if compute_dtype is not None:
         hidden = hidden.to(compute_dtype)
     flat = _padded(hidden.reshape(-1, hidden.shape[-1]), mesh, value=0.0)
-    every = _Adjoint.apply(flat, mesh, _gather_rows, _scatter_rows)  # (ranks x longest, hidden): every rank's tokens
+    back = _scatter_rows if replicas is None else functools.partial(_scatter_rows_alike, replicas=replicas)
+    every = _Adjoint.apply(flat, mesh, _gather_rows, back)  # (ranks x longest, hidden): every rank's tokens
     part = F.linear(every, weight)  # their logits over this rank's vocabulary rows
     widths = _widths(module.weight.shape[0], mesh.size())
     return _Exchange.apply(part, mesh, widths, hidden.shape[:-1])  # this rank's tokens, every column
@@ -191,6 +204,14 @@ def _scatter_rows(every: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     out = every.new_empty((every.shape[0] // mesh.size(), *every.shape[1:]))
     _reduce_scatter(out, every.contiguous(), group=mesh.get_group())
     return out
+
+
+def _scatter_rows_alike(every: torch.Tensor, mesh: DeviceMesh, replicas: DeviceMesh) -> torch.Tensor:
+    """`_scatter_rows`, then averaged over `replicas` (ranks whose rows are the same tokens), which then hold the
+    same bits: the reduce-scatter adds up each rank's rows in another order."""
+    out = _scatter_rows(every, mesh)
+    dist.all_reduce(out, group=replicas.get_group())
+    return out.div_(replicas.size())
 
 
 class _Adjoint(torch.autograd.Function):

@@ -25,7 +25,8 @@ the world; hsdp: the ranks of a node, so give plan the ranks per node):
 Under --tp N a rank computes with its group's share (`ModelShape.per_tp_rank`): 1/N of the parameters of the
 layers the model's tp_plan splits (a rowwise layer's bias stays whole) and of the activations computed from a
 colwise layer's output up to a rowwise layer's (followed through the meta forward, `_TensorParallelTrace`); the
-rest whole. The strategy then shares that among the ranks/N data-parallel ranks.
+rest whole. The strategy then shares that among the ranks/N data-parallel ranks, but for the vocabulary rows,
+split over all the ranks (parallel/vocab.py).
 
 The moments are each unit's forward and each unit's backward; the peak is the fullest. --cpu_offload keeps
 the state at rest on the host: the device holds the rest.
@@ -187,7 +188,8 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
     states = optimizer_states(cfg.optimizer, cfg.momentum) * weight
     units, root = shape.units, shape.units[-1]
     share = (lambda n: math.ceil(n / sharers)) if sharded else (lambda n: n)
-    split = {u.name for u in units if u.vocabulary and sharers > 1 and vocab.splits(u.vocabulary, sharers)}
+    # The vocabulary rows split over every rank: under --tp the group's ranks hold different rows (parallel/vocab.py).
+    split = {u.name for u in units if u.vocabulary and ranks > 1 and vocab.splits(u.vocabulary, ranks)}
     # Where the rows do not split (one rank, too few rows), the run leaves the matrix where it was: a tied one
     # in the root unit.
     rooted = [u for u in units[:-1] if u.in_root and u.name not in split]
@@ -196,9 +198,17 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
                                    trainable=root.trainable + sum(u.trainable for u in rooted),
                                    activations=root.activations + sum(u.activations for u in rooted))
         units = tuple(u for u in units[:-1] if u not in rooted) + (root,)
-    params = share(shape.elements) * weight
-    grads = share(shape.trainable) * weight
-    optimizer = share(shape.trainable) * states
+    of_rows = lambda n: math.ceil(n / ranks)  # noqa: E731 - a split vocabulary unit's share of its rows
+    if cfg.tp > 1:  # the vocabulary rows split over every rank, the rest (the group's share) over the dp ranks
+        rows = [u for u in units if u.name in split]
+        mine = lambda attr: (share(getattr(shape, attr) - sum(getattr(u, attr) for u in rows))  # noqa: E731
+                             + sum(of_rows(getattr(u, attr)) for u in rows))
+        elements, trainable = mine("elements"), mine("trainable")
+    else:
+        elements, trainable = share(shape.elements), share(shape.trainable)
+    params = elements * weight
+    grads = trainable * weight
+    optimizer = trainable * states
     acts = [int(u.activations * compute / 4) for u in units]
     # What each unit's forward leaves saved until its backward, and what its backward saves again (recomputed).
     kept = [a if u.inputs is None else int(u.inputs * compute / 4) for u, a in zip(units, acts)]
@@ -227,9 +237,9 @@ def footprint(shape: ModelShape, cfg: TrainConfig, ranks: int) -> Footprint:
     done = 0
     for i in reversed(range(len(units))):  # backward: unit i's whole gradients and reduce-scatter input, and the
         unit = units[i]                      # next unit of backward gathered ahead (FSDP2's prefetch)
-        done += share(unit.trainable) * weight
+        done += (of_rows if unit.name in split else share)(unit.trainable) * weight
         if unit.name in split:  # its rows' gradient, computed and then averaged: no whole gradient, no reduction
-            working = held_bytes + 2 * share(unit.trainable) * compute + accumulated
+            working = held_bytes + 2 * of_rows(unit.trainable) * compute + accumulated
         else:
             working = held_bytes + gathered(unit) + unit.trainable * (compute + reduce) + accumulated
             if reduce != weight:  # the reduce-scatter's output in --reduce_dtype, before its cast into the shards

@@ -457,7 +457,7 @@ def render_memory(cfg: Any, shape: memplan.ModelShape, footprints: list[memplan.
                  "inputs, one recomputed at a time" if cfg.activation_checkpointing and shape.activations_known else "")
               + (f"; --tp {cfg.tp}: the tp_plan's layers hold {shape.tp_elements / 1e6:.1f}M parameters, each rank of "
                  f"a group 1/{cfg.tp} of them and of the activations between a split layer and a rowwise one, the rest "
-                 "(embeddings, norms, head) whole on each rank of a group"
+                 "(norms; embeddings and head unless split by vocabulary rows) whole on each rank of a group"
                  + (f", then sharded over the ranks/{cfg.tp} data-parallel ranks" if sharded else "")
                  if cfg.tp > 1 else ""))
     names = ["ranks", *(["dp x tp"] if cfg.tp > 1 else []), "params MiB", "grads MiB", "optimizer MiB", "gathered MiB",
