@@ -262,7 +262,7 @@ def tp_plan(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     named = list(module.named_modules())
     out: dict[str, str] = {}
     for key, style in plan.items():
-        matched = [(name, sub) for name, sub in named if _plan_names(key, name)]
+        matched = [(name, sub) for name, sub in named if plan_names(key, name)]
         if not any(isinstance(sub, (LoraLayer, AuxiliaryTrainingWrapper)) for _, sub in matched):
             out[key] = style
             continue
@@ -286,9 +286,9 @@ def tp_plan(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _plan_names(key: str, name: str) -> bool:
+def plan_names(key: str, name: str) -> bool:
     """Whether a tensor-parallel plan's `key` names the module `name`, as torch's parallelize_module matches it:
-    one pattern per level (fnmatch), as many levels."""
+    one pattern per level (fnmatch), as many levels. (Here, below parallel/: `tp_plan` and plan's memplan use it.)"""
     keys, names = key.split("."), name.split(".")
     return len(keys) == len(names) and all(fnmatch.fnmatchcase(part, pattern) for part, pattern in zip(names, keys))
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 import math
 import re
 from dataclasses import dataclass
@@ -303,9 +302,7 @@ def tp_layers(model: nn.Module, tp: int) -> dict[int, tuple[str, str]]:
     plan = tensor.plan_for(model, tp)
     found = {}
     for name, module in model.named_modules():
-        parts = name.split(".")
-        key = next((key for key in plan if len(key.split(".")) == len(parts)
-                    and all(map(fnmatch.fnmatchcase, parts, key.split(".")))), None)
+        key = next((key for key in plan if lora.plan_names(key, name)), None)
         if key is None:
             continue
         style = "rowwise" if isinstance(plan[key], RowwiseParallel) else "colwise"
